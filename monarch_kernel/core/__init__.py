@@ -1,0 +1,1 @@
+"""The runtime shared by controllers and workers. Imports nothing from Jupyter."""

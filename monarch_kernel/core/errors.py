@@ -1,0 +1,86 @@
+"""Errors a user can catch. Each message names the rank, the host and what to do next."""
+from __future__ import annotations
+
+
+class MonarchError(Exception):
+    """Base of every error raised by monarch_kernel."""
+
+
+class ActorError(MonarchError):
+    """An endpoint (or a cell) raised on a remote rank; the actor keeps serving.
+
+    ``remote_traceback`` is the worker's formatted traceback; ``__cause__`` is the
+    original exception when it could be sent back. ``results`` (a ValueMesh or None) holds
+    what the other members of the same call returned, so a raise on some ranks does not
+    lose the others' results (failed members hold their exception).
+    """
+
+    def __init__(self, message: str, *, rank=None, host: str | None = None, exc_type: str = "",
+                 remote_traceback: str = "", actor: str = "", results=None):
+        super().__init__(message)
+        self.message = message
+        self.rank = rank
+        self.host = host
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+        self.actor = actor
+        self.results = results
+
+    def __str__(self) -> str:
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        host = f" ({self.host})" if self.host else ""
+        head = f"{self.actor}{where}{host}: {self.message}" if self.actor else f"{self.message}"
+        if self.remote_traceback:
+            return f"{head}\n\nRemote traceback:\n{self.remote_traceback.rstrip()}"
+        return head
+
+    def __reduce__(self):
+        return (_rebuild_actor_error, (self.message, self.rank, self.host, self.exc_type,
+                                       self.remote_traceback, self.actor))
+
+
+def _rebuild_actor_error(message, rank, host, exc_type, tb, actor):
+    return ActorError(message, rank=rank, host=host, exc_type=exc_type, remote_traceback=tb, actor=actor)
+
+
+class MeshFailure:
+    """What went wrong with a mesh, as given to ``Actor.__supervise__`` and carried by
+    SupervisionError: which mesh, which rank on which host, and why."""
+
+    def __init__(self, mesh: str, rank: int | None, host: str, pid: int | None, reason: str,
+                 proc_key: str = ""):
+        self.mesh = mesh
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        self.reason = reason
+        self.proc_key = proc_key
+
+    def __str__(self) -> str:
+        pid = f", pid {self.pid}" if self.pid else ""
+        return f"mesh '{self.mesh}' rank {self.rank} (host {self.host}{pid}): {self.reason}"
+
+    __repr__ = lambda self: f"MeshFailure({self})"
+
+
+class SupervisionError(MonarchError):
+    """A proc (or a whole host) of the mesh died, or an actor failed to start.
+
+    Futures waiting on it fail with this within about a second; later calls to the same
+    mesh raise it at once. Other meshes and other ranks keep their state; ``respawn()``
+    replaces the dead procs.
+    """
+
+    def __init__(self, failure: MeshFailure | str, hint: str = ""):
+        self.failure = failure if isinstance(failure, MeshFailure) else None
+        text = str(failure)
+        if hint:
+            text = f"{text}. {hint}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (SupervisionError, (self.failure or self.args[0],))
+
+
+class MeshGoneError(MonarchError):
+    """The mesh was stopped, or its agent cannot be reached, or no such mesh exists."""

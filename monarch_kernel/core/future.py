@@ -1,0 +1,147 @@
+"""Future: the result of a call to the mesh, resolved by the runtime's I/O thread.
+
+From sync code: ``fut.get()`` (or ``fut.get(timeout=5)``; a timeout leaves the call
+running and a later ``get`` still returns). From async code: ``await fut``; waiting never
+blocks the event loop (the I/O thread wakes it with ``call_soon_threadsafe``).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable, Generic, NamedTuple, TypeVar, Union
+
+T = TypeVar("T")
+
+
+class _Pending(NamedTuple):
+    pass
+
+
+class _Complete(NamedTuple):
+    value: Any
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+_State = Union[_Pending, _Complete, _Failed]
+_PENDING = _Pending()
+
+
+class Future(Generic[T]):
+    __slots__ = ("_state", "_lock", "_cond", "_callbacks", "_what")
+
+    def __init__(self, what: str = "call"):
+        self._state: _State = _PENDING
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
+        self._callbacks: list | None = None
+        self._what = what
+
+    # -- resolving (runtime side) -------------------------------------------------------
+    def _resolve(self, state: _State) -> bool:
+        with self._lock:
+            if self._state is not _PENDING:
+                return False
+            self._state = state
+            cond, callbacks = self._cond, self._callbacks
+            self._callbacks = None
+            if cond is not None:
+                with cond:
+                    cond.notify_all()
+        for cb in callbacks or ():
+            cb(self)
+        return True
+
+    def set_result(self, value) -> bool:
+        return self._resolve(_Complete(value))
+
+    def set_exception(self, error: BaseException) -> bool:
+        return self._resolve(_Failed(error))
+
+    # -- waiting (user side) --------------------------------------------------------------
+    def done(self) -> bool:
+        return self._state is not _PENDING
+
+    def get(self, timeout: float | None = None) -> T:
+        """Block until the result is in (or ``timeout`` seconds pass: TimeoutError)."""
+        state = self._state
+        if state is _PENDING:
+            with self._lock:
+                if self._state is _PENDING:
+                    if self._cond is None:
+                        self._cond = threading.Condition(threading.Lock())
+                    cond = self._cond
+                    cond.acquire()
+                else:
+                    cond = None
+            if cond is not None:
+                try:
+                    while self._state is _PENDING:
+                        if not cond.wait(timeout):
+                            raise TimeoutError(f"{self._what} did not finish within {timeout} s; it is "
+                                               "still running: get() again to wait more")
+                finally:
+                    cond.release()
+            state = self._state
+        if type(state) is _Complete:
+            return state.value
+        raise state.error
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.get(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            return e
+        return None
+
+    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+        """``fn(fut)`` runs once resolved (on the I/O thread: keep it short)."""
+        with self._lock:
+            if self._state is _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def __await__(self):
+        if self._state is _PENDING:
+            loop = asyncio.get_running_loop()
+            af = loop.create_future()
+
+            def wake(_):
+                loop.call_soon_threadsafe(lambda: af.done() or af.set_result(None))
+
+            self.add_done_callback(wake)
+            yield from af.__await__()
+        return self.get()
+
+    def __repr__(self):
+        s = self._state
+        if s is _PENDING:
+            return f"<Future {self._what}: pending>"
+        if type(s) is _Complete:
+            return f"<Future {self._what}: done, {_short(s.value)}>"
+        return f"<Future {self._what}: failed, {type(s.error).__name__}>"
+
+    def _repr_html_(self):
+        import html
+
+        return f"<code>{html.escape(repr(self))}</code>"
+
+
+def _short(v, n=60):
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def completed(value) -> Future:
+    f = Future()
+    f.set_result(value)
+    return f

@@ -1,0 +1,384 @@
+"""HostMesh: a set of host agents, and the ways to get one.
+
+  this_host()           a private agent on this machine; it ends with this process
+  this_host("name")     a persistent local mesh called "name": attach if it runs, else start it
+  attach("name")        a running named mesh (from its connection file)
+  attach_to_workers([addr, ...], key=...)   agents started by hand on other hosts
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import uuid
+
+from .connection import (
+    agent_alive,
+    check_name,
+    connection_path,
+    new_key,
+    read_connection_file,
+)
+from .errors import MeshFailure, MeshGoneError
+from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
+from .runtime import ProcRef, runtime
+from .shape import Extent, MeshView
+
+log = logging.getLogger("monarch_kernel")
+
+DEFAULT_LEASE_S = float(os.environ.get("MONARCH_KERNEL_LEASE_S", "3600"))
+HELLO_TIMEOUT_S = 10.0
+
+
+class HostMesh:
+    """Host agents you can spawn procs on; dims ``{"hosts": H}``."""
+
+    def __init__(self, agents: list[dict], key: bytes, name: str, *, local: bool = False,
+                 persistent: bool = False, process=None):
+        self.name = name
+        self._agents = agents
+        self._key = key
+        self._local = local
+        self.persistent = persistent
+        self._process = process
+        self._proc_meshes: dict[str, ProcMeshState] = {}
+        self._detached = False
+        rt = runtime()
+        rt.keyring.add(key)
+        _watch_replacements(rt)
+        futs = [rt.agent_request(a["addr"], key, "hello", rt.address) for a in agents]
+        self._infos = []
+        for a, f in zip(agents, futs):
+            try:
+                self._infos.append(f.get(HELLO_TIMEOUT_S))
+            except TimeoutError:
+                raise MeshGoneError(f"host agent at {a['addr']} did not answer within {HELLO_TIMEOUT_S:.0f} s "
+                                    "(is it running, and is the key right?)") from None
+        for a in agents:
+            rt.watch_agent(a["addr"], key)
+        rt.agent_event_handlers.setdefault(
+            "superseded", lambda link, by: log.warning("another controller (%s) attached to %s; this one "
+                                                       "no longer receives its events", by, link.addr))
+        self._adopt_registry()
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def extent(self) -> Extent:
+        return Extent(("hosts",), (len(self._agents),))
+
+    def __len__(self):
+        return len(self._agents)
+
+    @property
+    def hosts(self) -> list[str]:
+        return [i["host"] for i in self._infos]
+
+    # ------------------------------------------------------------------ procs
+    def spawn_procs(self, per_host: dict | None = None, name: str | None = None) -> ProcMesh:
+        """Fork procs on every host from its warm zygote. ``per_host={"gpus": 4}``; with no
+        argument, one proc per visible GPU, else per CPU core (the dim is ``gpus`` either way,
+        so code written for a GPU host runs unchanged)."""
+        self._check_attached()
+        if per_host is None:
+            per_host = {"gpus": _gpu_count() or os.cpu_count() or 1}
+        if not isinstance(per_host, dict) or not per_host:
+            raise TypeError(f"per_host must be a dict of dim name -> size, e.g. {{'gpus': 4}}; got {per_host!r}")
+        for k, v in per_host.items():
+            if not isinstance(k, str) or not k.isidentifier():
+                raise ValueError(f"dimension name {k!r} must be an identifier like 'gpus'")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"per_host[{k!r}] must be a positive int, got {v!r}")
+        name = name or "procs"
+        per = 1
+        for v in per_host.values():
+            per *= v
+        if self._local and len(self._agents) == 1:
+            labels, sizes = tuple(per_host), tuple(per_host.values())
+        else:
+            if "hosts" in per_host:
+                raise ValueError("'hosts' is the host dim of a multi-host mesh; name per-host dims otherwise")
+            labels, sizes = ("hosts", *per_host), (len(self._agents), *per_host.values())
+        mesh_id = uuid.uuid4().hex[:12]
+        rt = runtime()
+        futs = [rt.agent_request(a["addr"], self._key, "spawn", mesh_id, name,
+                                 list(range(h * per, (h + 1) * per)), labels, sizes, rt.address)
+                for h, a in enumerate(self._agents)]
+        refs: list[ProcRef] = []
+        for f in futs:
+            refs.extend(f.get(120))
+        refs.sort(key=lambda r: r.rank)
+        st = ProcMeshState(mesh_id, name, self._key, labels, sizes, refs)
+        st.host_mesh = self
+        rt.mesh_states[mesh_id] = st
+        rt.register_procs(refs, self._key)
+        self._proc_meshes[mesh_id] = st
+        for a in self._agents:
+            rt.agent_send(a["addr"], self._key, "register", mesh_id, st.record())
+        return ProcMesh(st)
+
+    def proc_mesh(self, name: str = "procs") -> ProcMesh:
+        """A proc mesh that already runs on these hosts (e.g. after ``attach``)."""
+        found = [s for s in self._proc_meshes.values() if s.name == name and not s.stopped]
+        if not found:
+            have = sorted({s.name for s in self._proc_meshes.values() if not s.stopped})
+            raise KeyError(f"no proc mesh named {name!r} on '{self.name}' (it has: {', '.join(have) or 'none'}); "
+                           "create one with spawn_procs(...)")
+        return ProcMesh(found[-1])
+
+    @property
+    def proc_meshes(self) -> dict[str, ProcMesh]:
+        return {s.name: ProcMesh(s) for s in self._proc_meshes.values() if not s.stopped}
+
+    def status(self) -> list[dict]:
+        """One row per proc: host, mesh, rank, pid, state, CPU %, RSS bytes."""
+        rt = runtime()
+        futs = [rt.agent_request(a["addr"], self._key, "status") for a in self._agents]
+        rows = []
+        for f in futs:
+            rows.extend(f.get(10))
+        return rows
+
+    # ------------------------------------------------------------------ lifecycle
+    def detach(self) -> None:
+        """Leave the mesh running (a persistent one waits for its lease) and let go of it."""
+        if self._detached:
+            return
+        rt = runtime()
+        futs = [rt.agent_request(a["addr"], self._key, "detach") for a in self._agents]
+        for f in futs:
+            try:
+                f.get(5)
+            except Exception:
+                pass
+        self._forget()
+
+    def shutdown(self) -> None:
+        """Stop every proc and the agents themselves."""
+        if self._detached:
+            return
+        rt = runtime()
+        futs = [rt.agent_request(a["addr"], self._key, "shutdown") for a in self._agents]
+        for f in futs:
+            try:
+                f.get(10)
+            except Exception:
+                pass
+        for st in self._proc_meshes.values():
+            self._mark_stopped(st, "the host mesh was shut down")
+        self._forget()
+        if self._process is not None:
+            try:
+                self._process.wait(5)
+            except Exception:
+                self._process.kill()
+                self._process.wait()
+
+    def _forget(self):
+        self._detached = True
+        rt = runtime()
+        for a in self._agents:
+            rt.forget_agent(a["addr"])
+        _named.pop(self.name, None)
+
+    def _check_attached(self):
+        if self._detached:
+            raise MeshGoneError(f"host mesh '{self.name}' was detached or shut down; "
+                                f"attach({self.name!r}) to use it again")
+
+    # ------------------------------------------------------------------ internals used by ProcMesh
+    def _register_actor(self, st: ProcMeshState, am: ActorMeshState) -> None:
+        rt = runtime()
+        for addr in st.agents():
+            rt.agent_send(addr, self._key, "register_actor", st.id, am.id, am.record())
+
+    def _mark_stopped(self, st: ProcMeshState, why: str) -> None:
+        rt = runtime()
+        st.stopped = True
+        for ref in st.procs:
+            rt.proc_failed(ref.key, MeshFailure(st.name, ref.rank, ref.host, ref.pid, why, ref.key),
+                           hint="spawn a new proc mesh")
+
+    def _stop_proc_mesh(self, st: ProcMeshState) -> None:
+        rt = runtime()
+        futs = [rt.agent_request(addr, self._key, "stop", [r.key for r in refs])
+                for addr, refs in st.agents().items()]
+        for f in futs:
+            f.get(15)
+        self._mark_stopped(st, "the proc mesh was stopped")
+        for addr in st.agents():
+            rt.agent_send(addr, self._key, "register", st.id, None)
+
+    def _respawn(self, st: ProcMeshState) -> None:
+        rt = runtime()
+        dead = [r for r in st.procs if r.key in rt.dead]
+        if not dead or st.stopped:
+            return
+        by_agent: dict[str, list[ProcRef]] = {}
+        for r in dead:
+            by_agent.setdefault(r.agent, []).append(r)
+        futs = [(refs, rt.agent_request(addr, self._key, "respawn", [r.key for r in refs], rt.address))
+                for addr, refs in by_agent.items()]
+        replaced: list[tuple[ProcRef, ProcRef]] = []
+        for old, f in futs:
+            new = f.get(60)
+            replaced.extend(zip(sorted(old, key=lambda r: r.rank), sorted(new, key=lambda r: r.rank)))
+        rt.register_procs([n for _, n in replaced], self._key)
+        for old, new in replaced:
+            st.procs[new.rank] = new
+            rt.dead.pop(old.key, None)
+            rt.procs.pop(old.key, None)
+        # Re-create the actors that lived on the replaced procs, with their original arguments.
+        new_by_rank = {n.rank: n for _, n in replaced}
+        for am in list(st.actor_meshes.values()):
+            targets = [new_by_rank[r] for r in am.view.ranks if r in new_by_rank]
+            if not targets or am.stopped or am.body is None:
+                continue
+            keys = [t.key for t in targets]
+            call_id, pending = rt.new_call(keys, Extent(("ranks",), (len(keys),)), "mesh",
+                                           f"respawn of '{am.name}'")
+            frames = rt.pack(self._key, ("spawn", am.id, am.name, am.body, am.view, rt.address, call_id))
+            for t in targets:
+                rt.send_frames(t.work, frames)
+            pending.future.get(120)
+        # Tell every live proc where the replacements are, and the agents' registries.
+        for old, new in replaced:
+            for ref in st.procs:
+                if ref.key not in rt.dead:
+                    rt.send(ref.ctrl, self._key, ("replaced", old.key, new, self._key))
+        for addr in st.agents():
+            rt.agent_send(addr, self._key, "register", st.id, st.record())
+
+    def _adopt_registry(self) -> None:
+        """On attach: rebuild handles for the proc and actor meshes the agents know."""
+        rt = runtime()
+        merged: dict[str, dict] = {}
+        for info in self._infos:
+            for mid, rec in info.get("registry", {}).items():
+                m = merged.setdefault(mid, {"actors": {}})
+                for k, v in rec.items():
+                    if k == "actors":
+                        m["actors"].update(v)
+                    else:
+                        m[k] = v
+        dead_keys = {}
+        for info in self._infos:
+            dead_keys.update(info.get("dead", {}))
+        for mid, rec in merged.items():
+            if "procs" not in rec:
+                continue
+            st = rt.mesh_states.get(mid) or ProcMeshState(mid, rec["name"], self._key, rec["labels"],
+                                                           rec["sizes"], rec["procs"])
+            st.host_mesh = self
+            rt.mesh_states[mid] = st
+            rt.register_procs(st.procs, self._key)
+            self._proc_meshes[mid] = st
+            for aid, arec in rec["actors"].items():
+                if aid not in st.actor_meshes:
+                    am = ActorMeshState(aid, arec["name"], arec["class_name"], arec["endpoints"], st,
+                                        arec["view"])
+                    am.body = arec.get("body")
+                    st.actor_meshes[aid] = am
+            for ref in st.procs:
+                if ref.key in dead_keys:
+                    rt.proc_failed(ref.key, MeshFailure(st.name, ref.rank, ref.host, ref.pid,
+                                                        "proc died while no controller was attached", ref.key))
+
+    def __repr__(self):
+        kind = "persistent" if self.persistent else "private"
+        return f"<HostMesh '{self.name}' hosts={len(self._agents)} ({kind})>"
+
+    def _repr_html_(self):
+        from .reprs import host_mesh_html
+
+        return host_mesh_html(self)
+
+
+_named: dict[str, HostMesh] = {}
+_lock = threading.Lock()
+
+
+def _gpu_count() -> int:
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def this_host(name: str | None = None, *, lease: float | None = None) -> HostMesh:
+    """This machine as a HostMesh.
+
+    With no name: a private agent that ends when this process ends. With a name: a
+    persistent mesh that outlives this process (re-attach with ``attach(name)`` or
+    ``this_host(name)``) and stops after ``lease`` seconds with no controller attached.
+    """
+    from ..launch.local import start_local_agent
+
+    key_name = name or f"private-{os.getpid()}"
+    with _lock:
+        hm = _named.get(key_name)
+        if hm is not None and not hm._detached:
+            return hm
+        if name is not None:
+            check_name(name)
+            try:
+                info = read_connection_file(name)
+                if agent_alive(info):
+                    hm = _named[name] = _attach_info(name, info)
+                    return hm
+                connection_path(name).unlink(missing_ok=True)
+            except MeshGoneError:
+                pass
+            key = new_key()
+            agent, proc = start_local_agent(key, name=name, persistent=True,
+                                            lease=DEFAULT_LEASE_S if lease is None else lease,
+                                            conn_file=connection_path(name))
+            hm = HostMesh([agent], key, name, local=True, persistent=True, process=proc)
+        else:
+            key = new_key()
+            agent, proc = start_local_agent(key, name=key_name, persistent=False, lease=lease)
+            hm = HostMesh([agent], key, key_name, local=True, process=proc)
+            atexit.register(_shutdown_quietly, hm)
+        _named[key_name] = hm
+        return hm
+
+
+def _shutdown_quietly(hm: HostMesh) -> None:
+    try:
+        hm.shutdown()
+    except Exception:
+        pass
+
+
+def attach(name: str) -> HostMesh:
+    """Attach to the running mesh called ``name``: same procs, same actors, same state."""
+    with _lock:
+        hm = _named.get(name)
+        if hm is not None and not hm._detached:
+            return hm
+        info = read_connection_file(check_name(name))
+        if not agent_alive(info):
+            connection_path(name).unlink(missing_ok=True)
+            raise MeshGoneError(f"mesh {name!r} is gone: its agent (pid {info['agents'][0].get('pid')}) no "
+                                f"longer runs. Start it again with this_host({name!r}) or %mesh connect {name}")
+        hm = _named[name] = _attach_info(name, info)
+        return hm
+
+
+def _attach_info(name: str, info: dict) -> HostMesh:
+    return HostMesh(info["agents"], bytes.fromhex(info["key"]), name, local=len(info["agents"]) == 1,
+                    persistent=bool(info.get("persistent")))
+
+
+def attach_to_workers(addresses: list[str], key: bytes | str, name: str = "workers") -> HostMesh:
+    """A HostMesh of agents started by hand (``python -m workers.agent --bind ADDR``) with
+    the same key; dims ``{"hosts": len(addresses)}``."""
+    if isinstance(key, str):
+        key = bytes.fromhex(key)
+    agents = [{"addr": a if a.startswith("tcp://") else f"tcp://{a}", "host": a, "pid": None}
+              for a in addresses]
+    return HostMesh(agents, key, name, local=False)
+
+
+def proc_mesh_view(st: ProcMeshState) -> MeshView:
+    return MeshView(st.labels, st.sizes)

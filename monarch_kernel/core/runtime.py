@@ -1,0 +1,451 @@
+"""The per-process runtime: sockets, the I/O thread, pending calls, proc liveness.
+
+Concurrency story (the only one in this package):
+  * One I/O thread per process owns the *inbox* (a PULL socket every reply, output line
+    and notice is sent to) and the DEALER links to host agents. It resolves Futures.
+  * Any thread may *send*: each thread has its own PUSH socket per destination address
+    (zmq sockets are not thread-safe), so messages from one sender thread to one
+    destination arrive in order.
+  * Other threads hand the I/O thread work (agent requests) through ``call_in_io``,
+    which queues a function and writes a byte to a wake pipe.
+Liveness of procs comes from their host agent (waitpid), never from Python heartbeats;
+agents heartbeat the controller so a lost host is declared after ``host_timeout``.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from typing import Callable, NamedTuple
+
+import zmq
+
+from . import wire
+from .errors import ActorError, MeshFailure, SupervisionError
+from .future import Future
+
+log = logging.getLogger("monarch_kernel")
+
+HEARTBEAT_S = float(os.environ.get("MONARCH_KERNEL_HEARTBEAT_S", "0.5"))
+HOST_TIMEOUT_S = float(os.environ.get("MONARCH_KERNEL_HOST_TIMEOUT_S", "3.0"))
+
+
+class ProcRef(NamedTuple):
+    """Where one proc lives. ``key`` is unique across meshes and respawns."""
+
+    key: str
+    rank: int
+    host: str
+    pid: int
+    work: str   # the proc's work inbox (its main thread: calls, spawns, cells)
+    ctrl: str   # the proc's runtime inbox (its I/O thread: replies, interrupts, notices)
+    agent: str  # address of the host agent that owns it
+
+
+class PendingCall:
+    """Collects the replies of one call. ``mode``: 'mesh' -> ValueMesh, 'one' -> value,
+    'stream' -> items pushed to ``queue`` as they arrive."""
+
+    __slots__ = ("future", "keys", "index", "results", "failed", "remaining", "extent", "mode",
+                 "queue", "what")
+
+    def __init__(self, keys: list[str], extent, mode: str, what: str):
+        self.future = Future(what)
+        self.keys = keys
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.results = [None] * len(keys)
+        self.failed: list[int] = []
+        self.remaining = len(keys)
+        self.extent = extent
+        self.mode = mode
+        self.queue = None
+        self.what = what
+        if mode == "stream":
+            import queue
+
+            self.queue = queue.SimpleQueue()
+
+    def deliver(self, key: str, ok: bool, value) -> bool:
+        """Record one member's reply; True once the call is complete."""
+        i = self.index.get(key)
+        if i is None or self.results[i] is _DONE_MARK:
+            return False
+        self.results[i] = value
+        if not ok:
+            self.failed.append(i)
+        self.remaining -= 1
+        if self.queue is not None:
+            self.queue.put((ok, value))
+        if self.remaining:
+            return False
+        self._finish()
+        return True
+
+    def _finish(self):
+        from .values import ValueMesh
+
+        if self.mode == "one":
+            if self.failed:
+                self.future.set_exception(self.results[0])
+            else:
+                self.future.set_result(self.results[0])
+            return
+        mesh = ValueMesh(self.extent, self.results)
+        if self.failed:
+            first = self.results[self.failed[0]]
+            if isinstance(first, ActorError):
+                first.results = mesh
+            self.future.set_exception(first)
+        else:
+            self.future.set_result(mesh)
+        if self.queue is not None:
+            self.queue.put(None)
+
+
+_DONE_MARK = object()
+
+
+class AgentLink:
+    """The I/O thread's DEALER to one host agent, with request ids and heartbeats."""
+
+    def __init__(self, rt: Runtime, addr: str, key: bytes):
+        self.addr = addr
+        self.key = key
+        self.sock = rt.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.requests: dict[int, Future] = {}
+        self.last_seen = time.monotonic()
+        self.last_hb_sent = 0.0
+        self.watched = False   # heartbeat it and declare it lost on silence
+        self.lost = False
+
+
+class Runtime:
+    def __init__(self, bind_host: str = "127.0.0.1", role: str = "controller"):
+        self.pid = os.getpid()
+        self.role = role
+        self.ident = uuid.uuid4().hex[:12]
+        self.ctx = zmq.Context()
+        self.keyring = wire.Keyring()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.RCVHWM, 0)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(f"tcp://{bind_host}:*")
+        self.address = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.bind_host = bind_host
+        self._tls = threading.local()
+        self._all_senders: list[zmq.Socket] = []
+        self._pending: dict[int, PendingCall] = {}
+        self._ids = itertools.count(1)
+        self.outstanding: collections.Counter = collections.Counter()
+        self.dead: dict[str, SupervisionError] = {}
+        self.procs: dict[str, tuple[ProcRef, bytes]] = {}   # every proc this process knows
+        self.agents: dict[str, AgentLink] = {}
+        self._tasks: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._unhandled: list[BaseException] = []
+        self._closing = False
+        self.handlers: dict[str, Callable] = {
+            "r": self._on_result, "out": self._on_output, "died": self._on_died,
+            "unhandled": self._on_unhandled, "replaced": self._on_replaced,
+        }
+        self.agent_event_handlers: dict[str, Callable] = {"died": self._on_agent_died}
+        self.output: Callable[[int, str, str], None] = _print_output
+        self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
+        self.replace_listeners: list[Callable[[str, ProcRef], None]] = []
+        self.mesh_states: dict = {}   # proc mesh id -> ProcMeshState known here
+        self._thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- sending (any thread)
+    def _sender(self, addr: str) -> zmq.Socket:
+        socks = getattr(self._tls, "socks", None)
+        if socks is None:
+            socks = self._tls.socks = {}
+        s = socks.get(addr)
+        if s is None:
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.LINGER, 2000)
+            s.connect(addr)
+            socks[addr] = s
+            self._all_senders.append(s)
+        return s
+
+    def pack(self, key: bytes, msg) -> list:
+        return self.keyring.sign(key, wire.dumps(msg))
+
+    def send_frames(self, addr: str, frames: list) -> None:
+        self._sender(addr).send_multipart(frames, copy=False)
+
+    def send(self, addr: str, key: bytes, msg) -> None:
+        self._sender(addr).send_multipart(self.pack(key, msg), copy=False)
+
+    def new_call(self, keys: list[str], extent, mode: str, what: str) -> tuple[int, PendingCall]:
+        call_id = next(self._ids)
+        p = PendingCall(keys, extent, mode, what)
+        self._pending[call_id] = p
+        out = self.outstanding
+        for k in keys:
+            out[k] += 1
+        return call_id, p
+
+    def abandon(self, call_id: int) -> None:
+        p = self._pending.pop(call_id, None)
+        if p is not None:
+            for k in p.keys:
+                self.outstanding[k] -= 1
+
+    # ---------------------------------------------------------------- failures and notices
+    def raise_unhandled(self) -> None:
+        """Unhandled supervision failures surface on the next interaction, once."""
+        if self._unhandled:
+            err = self._unhandled.pop(0)
+            raise err
+
+    def proc_failed(self, key: str, failure: MeshFailure, hint: str = "") -> None:
+        """A proc is gone: fail every future waiting on it (any thread)."""
+        if key in self.dead:
+            return
+        err = SupervisionError(failure, hint or "Call respawn() on its ProcMesh to replace it; "
+                                                "the other ranks keep their state")
+        self.dead[key] = err
+        for call_id, p in list(self._pending.items()):
+            if key in p.index and p.deliver(key, False, err):
+                self._pending.pop(call_id, None)
+        for fn in list(self.death_listeners):
+            try:
+                fn(key, err)
+            except Exception:
+                log.exception("death listener failed")
+
+    def register_procs(self, refs, key: bytes) -> None:
+        self.keyring.add(key)
+        for r in refs:
+            self.procs[r.key] = (r, key)
+
+    # ----------------------------------------------------------------- agent links (I/O)
+    def call_in_io(self, fn: Callable[[], None]) -> None:
+        if threading.current_thread() is self._thread:
+            fn()
+            return
+        self._tasks.append(fn)
+        os.write(self._wake_w, b"x")
+
+    def agent_request(self, addr: str, key: bytes, op: str, *args, timeout_what: str = "") -> Future:
+        """Send ``op`` to the agent at ``addr``; the Future gets its reply."""
+        fut = Future(timeout_what or f"agent {op}")
+
+        def go():
+            link = self._link(addr, key)
+            req = next(self._ids)
+            link.requests[req] = fut
+            link.sock.send_multipart(self.pack(key, ("req", req, op, args)), copy=False)
+
+        self.call_in_io(go)
+        return fut
+
+    def agent_send(self, addr: str, key: bytes, op: str, *args) -> None:
+        """Fire-and-forget to an agent (no reply expected)."""
+        self.call_in_io(lambda: self._link(addr, key).sock.send_multipart(
+            self.pack(key, ("req", 0, op, args)), copy=False))
+
+    def watch_agent(self, addr: str, key: bytes) -> None:
+        def go():
+            link = self._link(addr, key)
+            link.watched = True
+            link.last_seen = time.monotonic()
+        self.call_in_io(go)
+
+    def _link(self, addr: str, key: bytes) -> AgentLink:
+        link = self.agents.get(addr)
+        if link is None:
+            self.keyring.add(key)
+            link = self.agents[addr] = AgentLink(self, addr, key)
+            self._poller.register(link.sock, zmq.POLLIN)
+        return link
+
+    def forget_agent(self, addr: str) -> None:
+        def go():
+            link = self.agents.pop(addr, None)
+            if link is not None:
+                self._poller.unregister(link.sock)
+                link.sock.close(0)
+        self.call_in_io(go)
+
+    # ----------------------------------------------------------------- the I/O thread
+    def _io_loop(self):
+        self._poller = poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        inbox, opener = self.inbox, self.keyring.open
+        next_tick = 0.0
+        while not self._closing:
+            try:
+                events = poller.poll(100)
+            except zmq.ZMQError:
+                if self._closing:
+                    return
+                raise
+            for sock, _ in events:
+                if sock is inbox:
+                    for _ in range(10_000):
+                        try:
+                            frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        msg = opener(frames, "inbox")
+                        if msg is not None and type(msg) is tuple:
+                            self._dispatch(msg)
+                elif sock == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    while self._tasks:
+                        fn = self._tasks.popleft()
+                        try:
+                            fn()
+                        except Exception:
+                            log.exception("I/O task failed")
+                else:
+                    self._on_agent_socket(sock)
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + HEARTBEAT_S / 2
+                self._tick(now)
+
+    def _dispatch(self, msg):
+        h = self.handlers.get(msg[0])
+        if h is None:
+            log.warning("dropped a message of unknown kind %r", msg[0])
+            return
+        try:
+            h(msg)
+        except Exception:
+            log.exception("handler for %r failed", msg[0])
+
+    def _on_result(self, msg):
+        _, call_id, key, ok, value = msg
+        p = self._pending.get(call_id)
+        if p is None:
+            return
+        self.outstanding[key] -= 1
+        if p.deliver(key, ok, value):
+            self._pending.pop(call_id, None)
+
+    def _on_output(self, msg):
+        _, rank, stream, text = msg
+        self.output(rank, stream, text)
+
+    def _on_died(self, msg):
+        _, key, failure = msg
+        self.proc_failed(key, failure)
+
+    def _on_replaced(self, msg):
+        _, old_key, ref, key = msg
+        self.register_procs([ref], key)
+        for fn in list(self.replace_listeners):
+            fn(old_key, ref)
+
+    def _on_unhandled(self, msg):
+        err = msg[1]
+        log.error("unhandled supervision failure: %s", err)
+        self._unhandled.append(err)
+
+    def _on_agent_socket(self, sock):
+        link = next((lk for lk in self.agents.values() if lk.sock is sock), None)
+        if link is None:
+            return
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            link.last_seen = time.monotonic()
+            msg = self.keyring.open(frames, f"agent {link.addr}")
+            if msg is None or type(msg) is not tuple:
+                continue
+            if msg[0] == "rep":
+                _, req, ok, value = msg
+                fut = link.requests.pop(req, None)
+                if fut is not None:
+                    (fut.set_result if ok else fut.set_exception)(value)
+            elif msg[0] == "ev":
+                h = self.agent_event_handlers.get(msg[1])
+                if h is not None:
+                    try:
+                        h(link, *msg[2:])
+                    except Exception:
+                        log.exception("agent event %r failed", msg[1])
+
+    def _on_agent_died(self, link, key, failure):
+        self.proc_failed(key, failure)
+
+    def _tick(self, now):
+        for link in list(self.agents.values()):
+            if not link.watched or link.lost:
+                continue
+            if now - link.last_hb_sent >= HEARTBEAT_S:
+                link.last_hb_sent = now
+                link.sock.send_multipart(self.pack(link.key, ("req", 0, "hb", (self.address,))), copy=False)
+            if now - link.last_seen > HOST_TIMEOUT_S:
+                link.lost = True
+                self._host_lost(link, now - link.last_seen)
+
+    def _host_lost(self, link: AgentLink, silent_s: float):
+        log.error("host agent %s silent for %.1f s: declaring its host lost", link.addr, silent_s)
+        for req, fut in list(link.requests.items()):
+            fut.set_exception(SupervisionError(f"host agent {link.addr} is unreachable (silent for "
+                                               f"{silent_s:.1f} s)"))
+        link.requests.clear()
+        for key, (ref, _) in list(self.procs.items()):
+            if ref.agent == link.addr:
+                self.proc_failed(key, MeshFailure("", ref.rank, ref.host, ref.pid,
+                                                  f"host lost: its agent {link.addr} was silent for "
+                                                  f"{silent_s:.1f} s", key))
+
+    # ----------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        os.write(self._wake_w, b"x")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(2)
+        self.ctx.destroy(linger=500)
+
+
+def _print_output(rank: int, stream: str, text: str) -> None:
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    prefix = f"[rank {rank}] "
+    out.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+    out.flush()
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> Runtime:
+    """This process's runtime (created on first use; a forked child gets a new one)."""
+    global _runtime
+    rt = _runtime
+    if rt is not None and rt.pid == os.getpid():
+        return rt
+    with _runtime_lock:
+        if _runtime is None or _runtime.pid != os.getpid():
+            _runtime = Runtime()
+        return _runtime
+
+
+def install_runtime(rt: Runtime) -> None:
+    global _runtime
+    _runtime = rt

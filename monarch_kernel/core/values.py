@@ -1,0 +1,89 @@
+"""ValueMesh: one value per member of a mesh, addressed by named coordinates."""
+from __future__ import annotations
+
+import html
+from collections.abc import Iterator
+
+from .shape import Extent, Point
+
+
+class ValueMesh:
+    """Results of ``call`` (or of an ``%%on_mesh`` cell), laid out like the mesh called.
+
+    ``items()`` yields ``(Point, value)``; ``values()`` the values in rank order;
+    ``item(gpus=1)`` the value at those coords; iterating yields ``(Point, value)``.
+    """
+
+    __slots__ = ("_extent", "_values")
+
+    def __init__(self, extent: Extent, values):
+        self._extent = extent
+        self._values = list(values)
+        if len(self._values) != extent.nelements:
+            raise ValueError(f"{len(self._values)} values for an extent of {extent.nelements}")
+
+    @property
+    def extent(self) -> Extent:
+        return self._extent
+
+    def __len__(self):
+        return len(self._values)
+
+    def values(self) -> list:
+        return list(self._values)
+
+    def items(self) -> Iterator[tuple[Point, object]]:
+        for i, v in enumerate(self._values):
+            yield Point(i, self._extent), v
+
+    __iter__ = items
+
+    def item(self, **coords):
+        labels = self._extent.labels
+        unknown = set(coords) - set(labels)
+        if unknown:
+            raise ValueError(f"unknown dimension(s) {sorted(unknown)}: dims are {list(labels)}")
+        missing = [k for k in labels if k not in coords]
+        if missing:
+            if len(self._values) == 1 and not coords:
+                return self._values[0]
+            raise ValueError(f"item() needs a coordinate for every dim; missing {missing}")
+        rank = 0
+        for label, size in zip(labels, self._extent.sizes):
+            c = coords[label]
+            if not 0 <= c < size:
+                raise ValueError(f"{label}={c} is out of range (size {size})")
+            rank = rank * size + c
+        return self._values[rank]
+
+    def __getitem__(self, rank: int):
+        return self._values[rank]
+
+    def __eq__(self, other):
+        return isinstance(other, ValueMesh) and (self._extent, self._values) == (other._extent,
+                                                                                  other._values)
+
+    def __reduce__(self):
+        return (ValueMesh, (self._extent, self._values))
+
+    def __repr__(self):
+        dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
+        body = ", ".join(f"{_coord(p)}: {v!r}" for p, v in self.items())
+        return f"ValueMesh({dims}) {{{body}}}"
+
+    def _repr_html_(self):
+        labels = list(self._extent.labels) or ["rank"]
+        head = "".join(f"<th>{html.escape(k)}</th>" for k in labels) + "<th>value</th>"
+        rows = []
+        for p, v in self.items():
+            coords = p.coords or {"rank": p.rank}
+            cells = "".join(f"<td>{c}</td>" for c in coords.values())
+            rows.append(f"<tr>{cells}<td><code>{html.escape(repr(v))}</code></td></tr>")
+        dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
+        return (f"<div><b>ValueMesh</b> ({html.escape(dims)})<table><tr>{head}</tr>"
+                + "".join(rows) + "</table></div>")
+
+
+def _coord(p: Point) -> str:
+    c = p.coords
+    return ",".join(f"{k}={v}" for k, v in c.items()) if c else str(p.rank)

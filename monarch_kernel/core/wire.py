@@ -1,0 +1,203 @@
+"""Wire format: authenticated, pickle-5 messages with out-of-band buffers.
+
+A message on a socket is the frames ``[key_id, signature, header, *buffers]``:
+  * ``header`` is a cloudpickle (protocol 5) of the message tuple; large buffers
+    (tensors, numpy arrays, bytes-like) travel as separate frames, zero-copy;
+  * ``signature`` is HMAC-SHA256 over the header and the buffer lengths, with the mesh
+    key named by ``key_id``. A message whose signature does not verify is dropped and
+    logged before anything is unpickled.
+CPU tensors are sent as raw bytes plus dtype and shape; the receiver rebuilds them on
+the received frame's memory, without a copy, and writable.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import io
+import linecache
+import logging
+import pickle
+import sys
+import types
+
+import cloudpickle
+
+log = logging.getLogger("monarch_kernel.wire")
+
+try:  # cloudpickle's own test of "would this be pickled by value" (private, but stable)
+    from cloudpickle.cloudpickle import _should_pickle_by_reference as _by_reference
+except ImportError:  # pragma: no cover
+    def _by_reference(obj, name=None):
+        return getattr(obj, "__module__", "__main__") != "__main__"
+
+SMALL_COPY = 64 * 1024  # below this, received buffers are copied (cheaper than pinning a frame)
+
+
+class SourceMarker:
+    """Put last in a message tuple: it pickles as the source lines of every function that
+    was pickled by value before it (cells, ``__main__``), so the worker's tracebacks and
+    debugger ``list`` show the real lines. It loads as None."""
+
+
+SOURCES = SourceMarker()
+
+
+def _install_sources(sources):
+    for filename, lines in sources.items():
+        if filename not in linecache.cache or linecache.cache[filename][1] is not None:
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
+def _rebuild_tensor(buf, dtype_name: str, shape, requires_grad: bool):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        if mv.readonly:
+            mv = writable_view(mv, owner=buf)
+        t = torch.frombuffer(mv, dtype=dtype).reshape(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def writable_view(mv: memoryview, owner) -> memoryview:
+    """A writable view of a received frame's memory (ours alone after recv over tcp/ipc).
+
+    Small buffers are copied; large ones are mapped in place with the frame kept alive
+    by the view, so a received 64 MiB tensor costs no copy and can be modified in place.
+    """
+    if mv.nbytes < SMALL_COPY:
+        return memoryview(bytearray(mv))
+    import numpy as np
+
+    addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+    arr = (ctypes.c_ubyte * mv.nbytes).from_address(addr)
+    arr._owner = (owner, mv)  # keeps the zmq frame (and its memory) alive
+    return memoryview(arr).cast("B")
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file, buffers):
+        super().__init__(file, protocol=5, buffer_callback=None if buffers is None else buffers.append)
+        self.source_files: set[str] | None = None
+
+    def reducer_override(self, obj):
+        t = type(obj)
+        if t is SourceMarker:
+            return self._reduce_sources()
+        torch = sys.modules.get("torch")
+        if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
+            if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
+                return self._reduce_tensor(obj, torch)
+        if t is types.FunctionType and not _by_reference(obj):
+            if self.source_files is None:
+                self.source_files = set()
+            self.source_files.add(obj.__code__.co_filename)
+        return super().reducer_override(obj)
+
+    def _reduce_tensor(self, obj, torch):
+        data = obj.detach().contiguous()
+        flat = data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
+        buf = pickle.PickleBuffer(flat.numpy())
+        dtype = str(obj.dtype).removeprefix("torch.")
+        return _rebuild_tensor, (buf, dtype, tuple(obj.shape), bool(obj.requires_grad))
+
+    def _reduce_sources(self):
+        if not self.source_files:
+            return (type(None), ())
+        sources = {}
+        for fn in self.source_files:
+            lines = linecache.getlines(fn)
+            if lines:
+                sources[fn] = lines
+        return _install_sources, (sources,)
+
+
+def dumps(obj) -> list:
+    """Pickle ``obj``; returns ``[header, *buffers]`` (buffers as zero-copy memoryviews)."""
+    buffers: list = []
+    f = io.BytesIO()
+    _Pickler(f, buffers).dump(obj)
+    return [f.getvalue()] + [b.raw() for b in buffers]
+
+
+def dumps_inband(obj) -> bytes:
+    """One self-contained bytes object (kept and re-sent later, e.g. an actor's spawn)."""
+    f = io.BytesIO()
+    _Pickler(f, None).dump(obj)
+    return f.getvalue()
+
+
+def loads(header, buffers=()):
+    return pickle.loads(header, buffers=buffers)
+
+
+def _digest(key: bytes, header, buffers) -> bytes:
+    if buffers:
+        lens = b"".join(len(b).to_bytes(8, "little") for b in buffers)
+        return hmac.digest(key, bytes(header) + lens, "sha256")
+    return hmac.digest(key, header, "sha256")
+
+
+def key_id(key: bytes) -> bytes:
+    return hashlib.sha256(b"monarch-kernel-key-id" + key).digest()[:8]
+
+
+class Keyring:
+    """The mesh keys this process trusts, by id. Signing uses the key of the destination's
+    mesh; verifying accepts any trusted key (keys only arrive inside verified messages)."""
+
+    def __init__(self):
+        self._keys: dict[bytes, bytes] = {}
+        self._ids: dict[bytes, bytes] = {}
+
+    def add(self, key: bytes) -> bytes:
+        kid = self._ids.get(key)
+        if kid is None:
+            kid = self._ids[key] = key_id(key)
+            self._keys[kid] = key
+        return kid
+
+    def sign(self, key: bytes, frames: list) -> list:
+        """``frames`` = [header, *buffers] -> the frames to send."""
+        kid = self._ids.get(key) or self.add(key)
+        return [kid, _digest(key, frames[0], frames[1:]), *frames]
+
+    def sign_with_id(self, kid: bytes, frames: list) -> list:
+        return [kid, _digest(self._keys[kid], frames[0], frames[1:]), *frames]
+
+    def open(self, frames, where: str = "socket"):
+        """Verify and unpickle received frames (zmq.Frame or bytes). Returns the message, or
+        None after logging when it is malformed or not signed with a trusted key."""
+        if len(frames) < 3:
+            log.warning("dropped a malformed message on %s: %d frame(s)", where, len(frames))
+            return None
+        kid, sig, header = (_bytes(f) for f in frames[:3])
+        key = self._keys.get(kid)
+        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[3:]]
+        if key is None or not hmac.compare_digest(sig, _digest(key, header, bufs)):
+            log.warning("dropped an unauthenticated message on %s (%s)", where,
+                        "unknown key" if key is None else "bad signature")
+            return None
+        try:
+            return loads(header, bufs)
+        except Exception as e:  # a verified message that fails to load: report, don't crash
+            log.error("dropped a message on %s that failed to unpickle: %r", where, e)
+            return LoadFailure(e)
+
+
+class LoadFailure:
+    """A verified message that could not be unpickled here (e.g. a class this worker
+    cannot import). The receiver answers the sender with this error when it can."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _bytes(f) -> bytes:
+    return f.bytes if hasattr(f, "bytes") else bytes(f)

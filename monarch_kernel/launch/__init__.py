@@ -1,0 +1,1 @@
+"""Where hosts come from. ``local`` starts an agent on this machine."""

@@ -1,0 +1,63 @@
+"""Start a host agent on this machine, as a child in its own session.
+
+Its own session (process group) keeps a kernel interrupt (SIGINT to the kernel's group)
+away from the agent and its procs. A non-persistent agent watches our pid and exits when
+we are gone; a persistent one outlives us and stops after its lease.
+"""
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..core.connection import home
+from ..core.errors import MeshGoneError
+
+READY = "MONARCH_AGENT_READY "
+
+
+def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float | None = None,
+                      conn_file: str | Path | None = None, bind: str = "127.0.0.1",
+                      timeout: float = 60.0) -> tuple[dict, subprocess.Popen]:
+    logs = home() / "logs"
+    logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log_path = logs / f"{name}.log"
+    args = [sys.executable, "-m", "workers.agent", "--bind", bind, "--name", name]
+    if persistent:
+        args.append("--persistent")
+    else:
+        args += ["--parent-pid", str(os.getpid())]
+    if lease is not None:
+        args += ["--lease", str(lease)]
+    if conn_file:
+        args += ["--conn-file", str(conn_file)]
+    env = dict(os.environ, MONARCH_KERNEL_KEY=key.hex())
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                                env=env, start_new_session=True, cwd=os.getcwd())
+    deadline = time.monotonic() + timeout
+    line = b""
+    fd = proc.stdout.fileno()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            proc.kill()
+            proc.wait()
+            raise MeshGoneError(f"the host agent did not start within {timeout:.0f} s; see {log_path}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            proc.wait()
+            raise MeshGoneError(f"the host agent exited at start (code {proc.returncode}); see {log_path}")
+        line += chunk
+    proc.stdout.close()
+    text = line.decode().strip()
+    if not text.startswith(READY):
+        raise MeshGoneError(f"unexpected first line from the host agent: {text!r}; see {log_path}")
+    import socket
+
+    return {"addr": text[len(READY):], "host": socket.gethostname(), "pid": proc.pid}, proc

@@ -1,0 +1,425 @@
+"""The host agent: one per host, the unit of persistence.
+
+  python -m workers.agent --bind 127.0.0.1 [--port 0] [--key-file F] [--name N]
+                          [--lease SECONDS] [--persistent] [--conn-file PATH]
+
+It owns a warm zygote (which forks procs) and so every proc of its host; it outlives any
+one controller. Single-threaded: one zmq poll loop over its ROUTER and the zygote's pipe.
+The controller attaches with ``hello`` and heartbeats; the agent tells it at once when a
+proc dies (the zygote reaps it). Without a controller for ``--lease`` seconds a
+persistent agent stops its procs and exits; a non-persistent one exits when its
+controller is gone. Either way, when the agent dies its zygote and procs die with it.
+The key comes from ``--key-file`` or the MONARCH_KERNEL_KEY environment variable (hex).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import zmq
+
+from monarch_kernel.core import wire
+from monarch_kernel.core.errors import MeshFailure
+from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef
+
+log = logging.getLogger("monarch_kernel.agent")
+
+
+class Proc:
+    __slots__ = ("key", "mesh_id", "mesh_name", "rank", "pid", "ref", "ident", "state", "started")
+
+    def __init__(self, key, mesh_id, mesh_name, rank):
+        self.key, self.mesh_id, self.mesh_name, self.rank = key, mesh_id, mesh_name, rank
+        self.pid = 0
+        self.ref: ProcRef | None = None
+        self.ident: bytes | None = None
+        self.state = "starting"
+        self.started = time.time()
+
+
+class HostAgent:
+    def __init__(self, a):
+        self.name = a.name or f"agent-{os.getpid()}"
+        self.host = socket.gethostname()
+        self.bind_host = a.bind
+        self.key = _load_key(a)
+        self.keyring = wire.Keyring()
+        self.keyring.add(self.key)
+        self.persistent = a.persistent
+        self.lease = a.lease
+        self.conn_file = a.conn_file
+        self.id = uuid.uuid4().hex[:8]
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if a.port:
+            self.router.bind(f"tcp://{a.bind}:{a.port}")
+        else:
+            self.router.bind(f"tcp://{a.bind}:*")
+        self.addr = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.procs: dict[str, Proc] = {}
+        self.by_pid: dict[int, Proc] = {}
+        self.spawns: dict[str, dict] = {}        # spawn id -> {ident, req, keys}
+        self.registry: dict[str, dict] = {}      # mesh id -> what a re-attaching controller needs
+        self.controller: bytes | None = None
+        self.controller_addr: str | None = None
+        self.controller_seen = time.monotonic()
+        self.had_controller = False
+        self.started = time.monotonic()
+        self.counter = 0
+        self.stopping = False
+        self.parent_pid = a.parent_pid
+        self.zygote = subprocess.Popen(
+            [sys.executable, "-m", "workers.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "MONARCH_KERNEL_AGENT_PID": str(os.getpid())}, cwd=os.getcwd())
+        self.zygote_ready = False
+        self.zygote_buf = b""
+        self.queued_forks: list[dict] = []
+
+    # ---------------------------------------------------------------- messaging
+    def send(self, ident: bytes, msg) -> None:
+        try:
+            self.router.send_multipart([ident, *self.keyring.sign(self.key, wire.dumps(msg))], copy=False)
+        except zmq.ZMQError as e:
+            log.warning("could not send to %r: %s", ident, e)
+
+    def reply(self, ident, req, ok, value) -> None:
+        if req:
+            self.send(ident, ("rep", req, ok, value))
+
+    def event(self, name, *args) -> None:
+        if self.controller is not None:
+            self.send(self.controller, ("ev", name, *args))
+
+    # ---------------------------------------------------------------- main loop
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        zfd = self.zygote.stdout.fileno()
+        os.set_blocking(zfd, False)
+        poller.register(zfd, zmq.POLLIN)
+        while not self.stopping:
+            for sock, _ in poller.poll(100):
+                if sock is self.router:
+                    self._drain_router()
+                elif sock == zfd:
+                    self._read_zygote(zfd)
+            self._check_liveness()
+        self.shutdown()
+
+    def _drain_router(self):
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = frames[0].bytes
+            msg = self.keyring.open(frames[1:], "agent router")
+            if not isinstance(msg, tuple) or len(msg) != 4 or msg[0] != "req":
+                continue
+            _, req, op, args = msg
+            handler = getattr(self, "op_" + op, None)
+            if handler is None:
+                self.reply(ident, req, False, ValueError(f"unknown agent op {op!r}"))
+                continue
+            try:
+                handler(ident, req, *args)
+            except Exception as e:
+                log.exception("op %s failed", op)
+                self.reply(ident, req, False, e)
+
+    def _read_zygote(self, fd):
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            log.error("the zygote exited; stopping")
+            self.stopping = True
+            return
+        self.zygote_buf += chunk
+        while b"\n" in self.zygote_buf:
+            line, self.zygote_buf = self.zygote_buf.split(b"\n", 1)
+            ev = json.loads(line)
+            if ev["op"] == "ready":
+                self.zygote_ready = True
+                log.info("zygote ready (preload %.2f s)", ev.get("preload_s", 0))
+                for cfg in self.queued_forks:
+                    self._write_zygote({"op": "fork", "cfg": cfg})
+                self.queued_forks.clear()
+            elif ev["op"] == "forked":
+                p = self.procs.get(ev["key"])
+                if p is not None:
+                    p.pid = ev["pid"]
+                    self.by_pid[p.pid] = p
+            elif ev["op"] == "exit":
+                self._proc_exited(ev["pid"], ev["code"])
+
+    def _write_zygote(self, cmd):
+        self.zygote.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.zygote.stdin.flush()
+
+    def _check_liveness(self):
+        now = time.monotonic()
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            log.warning("the controller process %d that started this agent is gone: stopping",
+                        self.parent_pid)
+            self.stopping = True
+        if self.controller is not None and now - self.controller_seen > HOST_TIMEOUT_S:
+            log.warning("controller %s silent for %.1f s: detached", self.controller_addr,
+                        now - self.controller_seen)
+            self._detach()
+        if self.controller is None:
+            idle_since = self.controller_seen if self.had_controller else self.started
+            limit = self.lease if self.persistent or not self.had_controller else 0.0
+            if self.lease is not None and now - idle_since > limit:
+                log.warning("no controller for %.0f s: the lease is over, stopping", now - idle_since)
+                self.stopping = True
+
+    def _detach(self):
+        self.controller = None
+        self.controller_addr = None
+        self.controller_seen = time.monotonic()
+        for p in self.procs.values():
+            if p.ident is not None and p.state == "alive":
+                self.send(p.ident, ("ev", "sink", None, None))
+
+    # ---------------------------------------------------------------- procs
+    def _fork(self, mesh_id, mesh_name, rank, labels, sizes, sink, local_index):
+        self.counter += 1
+        key = f"{self.id}.{self.counter}"
+        p = Proc(key, mesh_id, mesh_name, rank)
+        self.procs[key] = p
+        cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
+               "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
+               "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index}
+        if self.zygote_ready:
+            self._write_zygote({"op": "fork", "cfg": cfg})
+        else:
+            self.queued_forks.append(cfg)
+        return key
+
+    def _proc_exited(self, pid, code):
+        p = self.by_pid.pop(pid, None)
+        if p is None:
+            return
+        was = p.state
+        p.state = "dead"
+        how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        if was == "stopping":
+            self.procs.pop(p.key, None)
+            return
+        failure = MeshFailure(p.mesh_name, p.rank, self.host, pid, f"proc {how}", p.key)
+        log.warning("proc %s (rank %s, pid %s) %s", p.key, p.rank, pid, how)
+        for sid, sp in list(self.spawns.items()):
+            if p.key in sp["keys"]:
+                del self.spawns[sid]
+                self.reply(sp["ident"], sp["req"], False,
+                           RuntimeError(f"proc rank {p.rank} on {self.host} {how} while starting"))
+        self.event("died", p.key, failure)
+        for q in self.procs.values():
+            if q.state == "alive" and q.ident is not None:
+                self.send(q.ident, ("ev", "died", p.key, failure))
+
+    def _stop_procs(self, procs, grace=1.0):
+        for p in procs:
+            if p.state in ("alive", "starting") and p.pid:
+                p.state = "stopping"
+                _kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        pending = [p for p in procs if p.state == "stopping" and p.pid]
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+            pending = [p for p in pending if _alive(p.pid)]
+        for p in pending:
+            _kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            if p.state == "dead":
+                self.procs.pop(p.key, None)
+
+    # ---------------------------------------------------------------- ops (controller)
+    def op_hello(self, ident, req, controller_addr, persistent_hint=None):
+        if self.controller not in (None, ident):
+            log.warning("controller %s replaced by %s", self.controller_addr, controller_addr)
+            self.send(self.controller, ("ev", "superseded", controller_addr))
+        self.controller, self.controller_addr = ident, controller_addr
+        self.controller_seen = time.monotonic()
+        self.had_controller = True
+        for p in self.procs.values():
+            if p.ident is not None and p.state == "alive":
+                self.send(p.ident, ("ev", "sink", controller_addr, self.key))
+        self.reply(ident, req, True, self.describe())
+
+    def describe(self):
+        return {"name": self.name, "host": self.host, "pid": os.getpid(), "addr": self.addr,
+                "persistent": self.persistent, "lease": self.lease, "registry": self.registry,
+                "dead": {k: p.rank for k, p in self.procs.items() if p.state == "dead"}}
+
+    def op_hb(self, ident, req, controller_addr=None):
+        if ident == self.controller:
+            self.controller_seen = time.monotonic()
+            self.send(ident, ("ev", "hb"))
+
+    def op_detach(self, ident, req):
+        if ident == self.controller:
+            self._detach()
+        self.reply(ident, req, True, None)
+
+    def op_spawn(self, ident, req, mesh_id, mesh_name, ranks, labels, sizes, sink):
+        keys = [self._fork(mesh_id, mesh_name, r, labels, sizes, sink, i) for i, r in enumerate(ranks)]
+        self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys}
+
+    def op_respawn(self, ident, req, old_keys, sink):
+        keys = []
+        for old in old_keys:
+            p = self.procs.get(old)
+            if p is None or p.state != "dead":
+                raise ValueError(f"proc {old} is not dead here; only dead procs are respawned")
+            self.procs.pop(old)
+            keys.append(self._fork(p.mesh_id, p.mesh_name, p.rank, None, None, sink, p.rank))
+        self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys, "old": old_keys}
+
+    def op_ready(self, ident, req, key, pid, work, ctrl):
+        """A proc reports it is up (sent from the proc's own agent link)."""
+        p = self.procs.get(key)
+        if p is None:
+            return
+        p.ident, p.state, p.pid = ident, "alive", pid
+        self.by_pid[pid] = p
+        p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr)
+        for sid, sp in list(self.spawns.items()):
+            if all(self.procs[k].state == "alive" for k in sp["keys"] if k in self.procs):
+                del self.spawns[sid]
+                self.reply(sp["ident"], sp["req"], True, [self.procs[k].ref for k in sp["keys"]])
+
+    def op_register(self, ident, req, mesh_id, record):
+        if record is None:
+            self.registry.pop(mesh_id, None)
+        else:
+            self.registry.setdefault(mesh_id, {}).update(record)
+        self.reply(ident, req, True, None)
+
+    def op_register_actor(self, ident, req, mesh_id, actor_id, record):
+        m = self.registry.get(mesh_id)
+        if m is not None:
+            m.setdefault("actors", {})[actor_id] = record
+        self.reply(ident, req, True, None)
+
+    def op_stop(self, ident, req, keys):
+        self._stop_procs([self.procs[k] for k in keys if k in self.procs])
+        self.reply(ident, req, True, None)
+
+    def op_status(self, ident, req):
+        import psutil
+
+        rows = []
+        for p in self.procs.values():
+            row = {"key": p.key, "mesh": p.mesh_name, "rank": p.rank, "pid": p.pid, "state": p.state,
+                   "host": self.host, "cpu": None, "rss": None}
+            if p.state == "alive":
+                try:
+                    ps = psutil.Process(p.pid)
+                    row["cpu"] = ps.cpu_percent(interval=None)
+                    row["rss"] = ps.memory_info().rss
+                except psutil.Error:
+                    pass
+            rows.append(row)
+        self.reply(ident, req, True, rows)
+
+    def op_shutdown(self, ident, req):
+        self._stop_procs(list(self.procs.values()))
+        self.reply(ident, req, True, None)
+        self.stopping = True
+
+    def shutdown(self):
+        self._stop_procs(list(self.procs.values()), grace=0.5)
+        try:
+            self._write_zygote({"op": "exit"})
+        except (BrokenPipeError, ValueError):
+            pass
+        try:
+            self.zygote.wait(2)
+        except subprocess.TimeoutExpired:
+            self.zygote.kill()
+            self.zygote.wait()
+        if self.conn_file:
+            try:
+                os.unlink(self.conn_file)
+            except FileNotFoundError:
+                pass
+        self.router.close(0)
+        self.ctx.term()
+
+
+def _kill(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _load_key(a) -> bytes:
+    if a.key_file:
+        with open(a.key_file) as f:
+            return bytes.fromhex(f.read().strip())
+    key = os.environ.pop("MONARCH_KERNEL_KEY", "")
+    if not key:
+        sys.exit("workers.agent: no key: pass --key-file FILE (hex, mode 0600) or set MONARCH_KERNEL_KEY")
+    return bytes.fromhex(key)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m workers.agent", description=__doc__.split("\n")[0])
+    p.add_argument("--bind", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--key-file")
+    p.add_argument("--name")
+    p.add_argument("--lease", type=float, default=None,
+                   help="seconds without a controller before stopping (default: never for --persistent)")
+    p.add_argument("--persistent", action="store_true")
+    p.add_argument("--conn-file", help="connection file to write once listening (0600) and remove on exit")
+    p.add_argument("--parent-pid", type=int, default=0, help="die with this parent (non-persistent)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
+    if not a.persistent and a.lease is None:
+        a.lease = 30.0  # a non-persistent agent nobody attaches to does not wait forever
+    agent = HostAgent(a)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "stopping", True))
+    if a.conn_file:
+        from monarch_kernel.core.connection import write_connection_file
+
+        write_connection_file(a.conn_file, {"name": agent.name, "key": agent.key.hex(),
+                                            "agents": [{"addr": agent.addr, "host": agent.host,
+                                                        "pid": os.getpid()}],
+                                            "persistent": a.persistent, "lease": a.lease})
+    sys.stdout.write(f"MONARCH_AGENT_READY {agent.addr}\n")
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(2, 1) if not os.isatty(2) else os.dup2(devnull, 1)
+    os.close(devnull)
+    agent.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The proc worker: runs actor endpoints (and, through built-in actors, notebook cells).
+
+Threads, by design:
+  * main thread: the *work inbox* loop. Spawns and sync endpoints run here, one at a
+    time, in arrival order, so signals (interrupts) and pdb land in user code.
+  * I/O thread (the runtime's): replies to calls this proc makes, interrupts, notices.
+  * event-loop thread, started on first use: async endpoints, all on one asyncio loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from monarch_kernel.core import wire
+from monarch_kernel.core.context import _CTX, ActorInstance, Context
+from monarch_kernel.core.errors import ActorError, MeshFailure, SupervisionError
+from monarch_kernel.core.runtime import Runtime, install_runtime
+from monarch_kernel.core.shape import Point
+
+
+class ActorSlot:
+    __slots__ = ("obj", "name", "ctx", "async_methods")
+
+    def __init__(self, obj, name, ctx):
+        self.obj, self.name, self.ctx = obj, name, ctx
+        self.async_methods: dict[str, bool] = {}
+
+
+class ForwardingStream(io.TextIOBase):
+    """sys.stdout / sys.stderr of a proc: complete lines go to the controller (the sink),
+    tagged with the rank, from the writing thread's own socket; the reply to a call is
+    sent after a flush on the same socket, so output always arrives before the result."""
+
+    def __init__(self, worker: ProcWorker, name: str):
+        self._worker, self._name = worker, name
+        self._buf: list[str] = []
+        self._lock = threading.Lock()
+
+    @property
+    def encoding(self):
+        return "utf-8"
+
+    def writable(self):
+        return True
+
+    def isatty(self):
+        return False
+
+    def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+        with self._lock:
+            self._buf.append(s)
+            if "\n" not in s:
+                return len(s)
+            text = "".join(self._buf)
+            cut = text.rfind("\n") + 1
+            self._buf = [text[cut:]] if cut < len(text) else []
+        self._worker.emit_output(self._name, text[:cut])
+        return len(s)
+
+    def flush(self):
+        with self._lock:
+            text = "".join(self._buf)
+            self._buf = []
+        if text:
+            self._worker.emit_output(self._name, text)
+
+
+class ProcWorker:
+    def __init__(self, rt: Runtime, cfg: dict):
+        self.rt = rt
+        self.key = bytes.fromhex(cfg["key"])
+        rt.keyring.add(self.key)
+        self.proc_key = cfg["proc_key"]
+        self.rank = cfg["rank"]
+        self.host = cfg["host"]
+        self.mesh_name = cfg["mesh_name"]
+        self.agent = cfg["agent"]
+        self.sink = (cfg["sink"], self.key) if cfg.get("sink") else None
+        self.actors: dict[str, ActorSlot] = {}
+        self.owned: dict[str, tuple[str, set]] = {}   # child actor mesh id -> (owner id, proc keys)
+        self.work = rt.ctx.socket(zmq.PULL)
+        self.work.setsockopt(zmq.RCVHWM, 0)
+        self.work.setsockopt(zmq.LINGER, 0)
+        self.work.bind(f"tcp://{cfg['bind']}:*")
+        self.work_addr = self.work.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.busy_call = None   # (reply_to, call_id) of what the main thread runs now
+        self.state = "idle"
+        self.main_ident = threading.get_ident()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.running = True
+        rt.handlers["interrupt"] = self._on_interrupt
+        rt.handlers["died"] = self._on_died_notice
+        rt.agent_event_handlers["sink"] = self._on_sink
+        rt.agent_event_handlers["died"] = lambda link, key, failure: self._peer_died(key, failure)
+        rt.death_listeners.append(self._supervise_owned)
+        self.stdout = ForwardingStream(self, "stdout")
+        self.stderr = ForwardingStream(self, "stderr")
+
+    # ---------------------------------------------------------------- output
+    def emit_output(self, stream: str, text: str) -> None:
+        sink = self.sink
+        if sink is None:
+            (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
+                "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
+            return
+        try:
+            self.rt.send(sink[0], sink[1], ("out", self.rank, stream, text))
+        except zmq.ZMQError:
+            pass
+
+    def flush_output(self):
+        self.stdout.flush()
+        self.stderr.flush()
+
+    # ---------------------------------------------------------------- I/O-thread notices
+    def _on_sink(self, link, addr, key):
+        self.sink = (addr, key) if addr else None
+
+    def _on_interrupt(self, msg):
+        _, call_id = msg
+        busy = self.busy_call
+        if busy is not None and (call_id is None or busy[1] == call_id):
+            signal.pthread_kill(self.main_ident, signal.SIGINT)
+
+    def _on_died_notice(self, msg):
+        _, key, failure = msg
+        self._peer_died(key, failure)
+
+    def _peer_died(self, key, failure):
+        self.rt.proc_failed(key, failure)
+
+    def _supervise_owned(self, key, err: SupervisionError):
+        for child, (owner, keys) in list(self.owned.items()):
+            if key in keys:
+                failure = err.failure or MeshFailure(child, None, "", None, str(err), key)
+                self.rt.send(self.work_addr, self.key, ("supervise", owner, failure, child))
+
+    # ---------------------------------------------------------------- the main loop
+    def serve(self) -> int:
+        opener, work = self.rt.keyring.open, self.work
+        self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
+                           self.rt.address)
+        while self.running:
+            try:
+                frames = work.recv_multipart(copy=False)
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived after its call finished
+            msg = opener(frames, "work inbox")
+            if msg is None:
+                continue
+            if type(msg) is not tuple:
+                continue  # LoadFailure: logged by the opener
+            try:
+                getattr(self, "do_" + msg[0])(msg)
+            except KeyboardInterrupt:
+                continue
+        return 0
+
+    def do_exit(self, msg):
+        self.running = False
+
+    def do_spawn(self, msg):
+        _, aid, name, body, view, reply_to, call_id = msg
+        try:
+            cls, args, kwargs, _src = wire.loads(body)
+        except BaseException as e:
+            self._reply(reply_to, call_id, False, self._error(e, f"{name} (unpickling its class)"))
+            return
+        idx = view.ranks.index(self.rank)
+        inst = ActorInstance(Point(idx, view.extent), aid, name, self.proc_key, self.rank, self.host)
+        ctx = Context(inst)
+        token = _CTX.set(ctx)
+        self.busy_call, self.state = (reply_to, call_id), f"in {name}.__init__"
+        try:
+            obj = cls(*args, **kwargs)
+        except BaseException as e:
+            self._reply(reply_to, call_id, False, self._error(e, f"{name}.__init__"))
+            return
+        finally:
+            _CTX.reset(token)
+            self.busy_call, self.state = None, "idle"
+        self.actors[aid] = ActorSlot(obj, name, ctx)
+        self._reply(reply_to, call_id, True, None)
+
+    def do_call(self, msg):
+        _, aid, method, args, kwargs, reply_to, call_id, _src = msg
+        slot = self.actors.get(aid)
+        if slot is None:
+            err = ActorError(f"no actor {aid} on this proc (it was stopped, or failed to start)",
+                             rank=self.rank, host=self.host)
+            self._reply(reply_to, call_id, False, err)
+            return
+        is_async = slot.async_methods.get(method)
+        if is_async is None:
+            fn = getattr(type(slot.obj), method, None)
+            is_async = slot.async_methods[method] = asyncio.iscoroutinefunction(fn)
+        if is_async:
+            self._run_async(slot, method, args, kwargs, reply_to, call_id)
+            return
+        token = _CTX.set(slot.ctx)
+        self.busy_call, self.state = (reply_to, call_id), f"in {slot.name}.{method}"
+        try:
+            value, ok = getattr(slot.obj, method)(*args, **kwargs), True
+        except BaseException as e:
+            value, ok = self._error(e, f"{slot.name}.{method}"), False
+        finally:
+            _CTX.reset(token)
+            self.busy_call, self.state = None, "idle"
+        self._reply(reply_to, call_id, ok, value)
+
+    def do_stop_actor(self, msg):
+        slot = self.actors.pop(msg[1], None)
+        self.owned.pop(msg[1], None)
+        if slot is not None and hasattr(slot.obj, "__cleanup__"):
+            try:
+                slot.obj.__cleanup__()
+            except Exception:
+                traceback.print_exc()
+
+    def do_supervise(self, msg):
+        _, owner, failure, child = msg
+        slot = self.actors.get(owner)
+        handled = False
+        if slot is not None and hasattr(slot.obj, "__supervise__"):
+            token = _CTX.set(slot.ctx)
+            try:
+                handled = bool(slot.obj.__supervise__(failure))
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                _CTX.reset(token)
+        if not handled and self.sink is not None:
+            err = SupervisionError(failure, f"unhandled by {slot.name if slot else 'its owner'} "
+                                            "(no __supervise__, or it returned a falsy value)")
+            self.rt.send(self.sink[0], self.sink[1], ("unhandled", err))
+
+    # ---------------------------------------------------------------- replies and errors
+    def _reply(self, reply_to, call_id, ok, value):
+        self.flush_output()
+        if not call_id:   # broadcast: fire and forget; failures still reach the controller
+            if not ok and self.sink is not None:
+                self.rt.send(self.sink[0], self.sink[1], ("unhandled", value))
+            return
+        try:
+            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, ok, value))
+        except Exception as e:
+            err = ActorError(f"the result ({type(value).__name__}) could not be sent back: {e}",
+                             rank=self.rank, host=self.host, exc_type="PicklingError")
+            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, False, err))
+        self.rt.send_frames(reply_to, frames)
+
+    def _error(self, e: BaseException, where: str) -> ActorError:
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+        text = "".join(traceback.format_exception(type(e), e, tb))
+        err = ActorError(f"{type(e).__name__}: {e}", rank=self.rank, host=self.host,
+                         exc_type=type(e).__name__, remote_traceback=text, actor=where)
+        try:
+            wire.dumps(e)
+            err.__cause__ = e
+        except Exception:
+            pass
+        return err
+
+    # ---------------------------------------------------------------- async endpoints
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="monarch-async", daemon=True).start()
+        return self._loop
+
+    def _run_async(self, slot, method, args, kwargs, reply_to, call_id):
+        async def run():
+            _CTX.set(slot.ctx)
+            try:
+                value, ok = await getattr(slot.obj, method)(*args, **kwargs), True
+            except BaseException as e:
+                value, ok = self._error(e, f"{slot.name}.{method}"), False
+            self._reply(reply_to, call_id, ok, value)
+
+        asyncio.run_coroutine_threadsafe(run(), self._event_loop())
+
+
+def main(cfg: dict) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ["RANK"] = str(cfg["rank"])
+    os.environ["LOCAL_RANK"] = str(cfg.get("local_index", 0))
+    os.environ["MONARCH_KERNEL_PROC"] = cfg["proc_key"]
+    gpus = _gpu_count()
+    if gpus and "MONARCH_KERNEL_KEEP_CUDA_VISIBLE" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.get("local_index", 0) % gpus)
+    rt = Runtime(bind_host=cfg["bind"], role="proc")
+    install_runtime(rt)
+    worker = ProcWorker(rt, cfg)
+    global WORKER
+    WORKER = worker
+    sys.stdout, sys.stderr = worker.stdout, worker.stderr
+    try:
+        return worker.serve()
+    finally:
+        worker.flush_output()
+        time.sleep(0.05)
+
+
+WORKER: ProcWorker | None = None
+
+
+def _gpu_count() -> int:
+    """GPUs on this host, without initialising CUDA (this runs in a forked child)."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0

@@ -1,0 +1,119 @@
+"""The warm zygote: imports torch once, then forks procs on the agent's request.
+
+It is single-threaded and creates no zmq context, so fork is safe. Protocol: JSON lines
+on stdin (``{"op": "fork", "cfg": {...}}``) and stdout (``ready``, ``forked``, ``exit``).
+It reaps its children and reports each exit status, which is how the agent learns of a
+proc's death at once. It dies with the agent, and its procs die with it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+
+def _preload() -> float:
+    t0 = time.perf_counter()
+    if os.environ.get("MONARCH_KERNEL_NO_TORCH") != "1":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass
+    import workers.proc  # noqa: F401  (zmq, cloudpickle, the runtime)
+
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    from workers.linux import die_with_parent
+
+    die_with_parent(int(os.environ.get("MONARCH_KERNEL_AGENT_PID", "0")) or None)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints go to the agent's log, not the protocol pipe
+    preload_s = _preload()
+    sig_r, sig_w = os.pipe()
+    os.set_blocking(sig_r, False)
+    os.set_blocking(sig_w, False)
+    signal.set_wakeup_fd(sig_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    me = os.getpid()
+    out.write(json.dumps({"op": "ready", "preload_s": round(preload_s, 3)}) + "\n")
+    buf = b""
+    while True:
+        try:
+            ready, _, _ = select.select([0, sig_r], [], [])
+        except InterruptedError:
+            ready = [sig_r]
+        if sig_r in ready:
+            try:
+                os.read(sig_r, 4096)
+            except BlockingIOError:
+                pass
+            _reap(out)
+        if 0 in ready:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return  # the agent is gone
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                cmd = json.loads(line)
+                if cmd["op"] == "fork":
+                    pid = os.fork()
+                    if pid == 0:
+                        _child(cmd["cfg"], me, out, sig_r, sig_w)
+                    out.write(json.dumps({"op": "forked", "key": cmd["cfg"]["proc_key"], "pid": pid}) + "\n")
+                elif cmd["op"] == "exit":
+                    return
+        _reap(out)
+
+
+def _reap(out) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        out.write(json.dumps({"op": "exit", "pid": pid, "code": code}) + "\n")
+
+
+def _child(cfg: dict, zygote_pid: int, out, sig_r: int, sig_w: int) -> None:
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        out.close()
+        for fd in (sig_r, sig_w):
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        from workers.linux import die_with_parent
+
+        die_with_parent(zygote_pid)
+        from workers import proc
+
+        code = proc.main(cfg)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+        os._exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -100,6 +100,7 @@ class ProcWorker:
         self.running = True
         rt.handlers["interrupt"] = self._on_interrupt
         rt.handlers["died"] = self._on_died_notice
+        rt.handlers["query"] = self._on_query
         rt.agent_event_handlers["sink"] = self._on_sink
         rt.agent_event_handlers["died"] = lambda link, key, failure: self._peer_died(key, failure)
         rt.death_listeners.append(self._supervise_owned)
@@ -131,6 +132,23 @@ class ProcWorker:
         busy = self.busy_call
         if busy is not None and (call_id is None or busy[1] == call_id):
             signal.pthread_kill(self.main_ident, signal.SIGINT)
+
+    def _on_query(self, msg):
+        """Answered on the I/O thread, so it works while the main thread runs user code."""
+        _, reply_to, call_id = msg
+        info = {"state": self.state, "pid": os.getpid(), "host": self.host, "rank": self.rank,
+                "actors": sorted({s.name for s in self.actors.values()}), **self.query_extra()}
+        self.rt.send(reply_to, self.key, ("r", call_id, self.proc_key, True, info))
+
+    def query_extra(self) -> dict:
+        """Hook for features that add to a proc's status (debugger, RDMA buffers)."""
+        out = {}
+        for fn in QUERY_EXTRAS:
+            try:
+                out.update(fn(self))
+            except Exception as e:
+                out.setdefault("errors", []).append(repr(e))
+        return out
 
     def _on_died_notice(self, msg):
         _, key, failure = msg
@@ -313,6 +331,7 @@ def main(cfg: dict) -> int:
 
 
 WORKER: ProcWorker | None = None
+QUERY_EXTRAS: list = []   # functions (worker) -> dict merged into a proc's query answer
 
 
 def _gpu_count() -> int:

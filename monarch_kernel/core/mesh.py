@@ -185,6 +185,42 @@ class ProcMesh(_Sliceable):
     def actor_meshes(self) -> dict[str, ActorMesh]:
         return {a.name: ActorMesh(a) for a in self._state.actor_meshes.values() if not a.stopped}
 
+    def interrupt(self, call: Future | None = None) -> None:
+        """Raise KeyboardInterrupt in whatever each proc of this view runs now on its main
+        thread (a sync endpoint or a cell); idle procs ignore it."""
+        rt = runtime()
+        st = self._state
+        for r in self._view.ranks:
+            ref = st.procs[r]
+            if ref.key not in rt.dead and not st.stopped:
+                rt.send(ref.ctrl, st.key, ("interrupt", None))
+
+    def states(self, timeout: float = 5.0) -> ValueMesh:
+        """Each proc's state ('idle', 'in Trainer.step', ...), pid, actors: a ValueMesh of
+        dicts, answered by the procs' I/O threads even while they run user code. A dead proc
+        shows as {'state': 'dead'}."""
+        rt = runtime()
+        st, view = self._state, self._view
+        refs = [st.procs[r] for r in view.ranks]
+        live = [r for r in refs if r.key not in rt.dead]
+        call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
+                                       "state query")
+        for ref in live:
+            rt.send(ref.ctrl, st.key, ("query", rt.address, call_id))
+        try:
+            got = dict(zip([r.key for r in live], pending.future.get(timeout).values()))
+        except TimeoutError:
+            rt.abandon(call_id)
+            got = {}
+        out = []
+        for ref in refs:
+            if ref.key in rt.dead or st.stopped:
+                out.append({"state": "dead", "pid": ref.pid, "host": ref.host, "rank": ref.rank})
+            else:
+                out.append(got.get(ref.key, {"state": "unresponsive", "pid": ref.pid, "host": ref.host,
+                                             "rank": ref.rank}))
+        return ValueMesh(view.extent, out)
+
     def dead_ranks(self) -> list[int]:
         dead = runtime().dead
         return [r for r in self._view.ranks if self._state.procs[r].key in dead]

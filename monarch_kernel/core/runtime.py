@@ -78,6 +78,14 @@ class PendingCall:
         self.results[i] = value
         if not ok:
             self.failed.append(i)
+            if isinstance(value, SupervisionError):
+                # A dead member fails the whole call now, not when the others finish.
+                self.remaining = 0
+                if self.queue is not None:
+                    self.queue.put((False, value))
+                    self.queue.put(None)
+                self.future.set_exception(value)
+                return True
         self.remaining -= 1
         if self.queue is not None:
             self.queue.put((ok, value))
@@ -97,7 +105,7 @@ class PendingCall:
             return
         mesh = ValueMesh(self.extent, self.results)
         if self.failed:
-            first = self.results[self.failed[0]]
+            first = self.results[min(self.failed)]
             if isinstance(first, ActorError):
                 first.results = mesh
             self.future.set_exception(first)

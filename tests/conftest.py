@@ -1,0 +1,95 @@
+"""Shared fixtures: an isolated MONARCH_KERNEL_HOME per session, and the orphan check.
+
+Every process this suite starts carries the session's MONARCH_KERNEL_HOME in its
+environment, so the check finds them even after they are re-parented (persistent agents,
+agents started by a second controller process). A test fails if, a few seconds after it
+ends, a process it started is still alive and not owned by a mesh this test process
+still holds on purpose (the session's private ``this_host()`` agent).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+_HOME = tempfile.mkdtemp(prefix="mk-test-home-")
+os.environ["MONARCH_KERNEL_HOME"] = _HOME
+os.environ.setdefault("MONARCH_KERNEL_HOST_TIMEOUT_S", "3.0")
+
+
+def marked_processes() -> set[int]:
+    """PIDs of live (non-zombie) processes started under this session's home."""
+    needle = f"MONARCH_KERNEL_HOME={_HOME}".encode()
+    out = set()
+    me = os.getpid()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read()
+            if needle not in env.split(b"\0"):
+                continue
+            with open(f"/proc/{d}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        out.add(int(d))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    import psutil
+
+    try:
+        return {pid} | {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def held_processes() -> set[int]:
+    """Agents (and their zygotes and procs) of meshes this process still holds."""
+    from monarch_kernel.core import hosts
+
+    held = set()
+    for hm in list(hosts._named.values()):
+        if hm._detached:
+            continue
+        for a in hm._agents:
+            if a.get("pid"):
+                held |= _descendants(a["pid"])
+    return held
+
+
+@pytest.fixture(autouse=True)
+def no_orphans(request):
+    """Fail a test that leaves behind a process it started."""
+    before = marked_processes()
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = marked_processes() - before - held_processes()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if left:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        pytest.fail(f"test left {len(left)} process(es) behind: {sorted(left)}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from monarch_kernel.core import hosts
+
+    for hm in list(hosts._named.values()):
+        try:
+            hm.shutdown()
+        except Exception:
+            pass

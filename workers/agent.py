@@ -274,6 +274,11 @@ class HostAgent:
             self._detach()
         self.reply(ident, req, True, None)
 
+    def op_lease(self, ident, req, seconds):
+        """Change the lease (a kernel prewarms with a short one, then keeps the mesh)."""
+        self.lease = None if seconds is None else float(seconds)
+        self.reply(ident, req, True, None)
+
     def op_spawn(self, ident, req, mesh_id, mesh_name, ranks, labels, sizes, sink):
         keys = [self._fork(mesh_id, mesh_name, r, labels, sizes, sink, i) for i, r in enumerate(ranks)]
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys}

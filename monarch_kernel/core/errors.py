@@ -35,12 +35,16 @@ class ActorError(MonarchError):
         return head
 
     def __reduce__(self):
+        # __cause__ is not part of an exception's pickled state: carry it explicitly (the
+        # proc sets it only when the original exception pickles).
         return (_rebuild_actor_error, (self.message, self.rank, self.host, self.exc_type,
-                                       self.remote_traceback, self.actor))
+                                       self.remote_traceback, self.actor, self.__cause__))
 
 
-def _rebuild_actor_error(message, rank, host, exc_type, tb, actor):
-    return ActorError(message, rank=rank, host=host, exc_type=exc_type, remote_traceback=tb, actor=actor)
+def _rebuild_actor_error(message, rank, host, exc_type, tb, actor, cause=None):
+    err = ActorError(message, rank=rank, host=host, exc_type=exc_type, remote_traceback=tb, actor=actor)
+    err.__cause__ = cause
+    return err
 
 
 class MeshFailure:
@@ -73,13 +77,16 @@ class SupervisionError(MonarchError):
 
     def __init__(self, failure: MeshFailure | str, hint: str = ""):
         self.failure = failure if isinstance(failure, MeshFailure) else None
+        self.hint = hint
         text = str(failure)
         if hint:
             text = f"{text}. {hint}"
         super().__init__(text)
 
     def __reduce__(self):
-        return (SupervisionError, (self.failure or self.args[0],))
+        if self.failure is None:
+            return (SupervisionError, (self.args[0],))   # the hint is already in the text
+        return (SupervisionError, (self.failure, self.hint))
 
 
 class MeshGoneError(MonarchError):

@@ -14,6 +14,7 @@ The key comes from ``--key-file`` or the MONARCH_KERNEL_KEY environment variable
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -84,6 +85,7 @@ class HostAgent:
         self.zygote_ready = False
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
+        self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
 
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
@@ -128,6 +130,8 @@ class HostAgent:
                 continue
             _, req, op, args = msg
             handler = getattr(self, "op_" + op, None)
+            if handler is None and op.startswith("sync_"):
+                handler = functools.partial(self._sync_op, op)
             if handler is None:
                 self.reply(ident, req, False, ValueError(f"unknown agent op {op!r}"))
                 continue
@@ -201,7 +205,8 @@ class HostAgent:
         self.procs[key] = p
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
                "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
-               "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index}
+               "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
+               "sync": self._sync().proc_setup()}
         if self.zygote_ready:
             self._write_zygote({"op": "fork", "cfg": cfg})
         else:
@@ -245,6 +250,19 @@ class HostAgent:
         for p in procs:
             if p.state == "dead":
                 self.procs.pop(p.key, None)
+
+    # ---------------------------------------------------------------- code sync
+    def _sync(self):
+        if self.sync_receiver is None:
+            from monarch_kernel.sync.receiver import SyncReceiver, base_dir
+
+            self.sync_receiver = SyncReceiver(base_dir(self.name), self.host, self.addr)
+        return self.sync_receiver
+
+    def _sync_op(self, op, ident, req, *args):
+        """Ops named ``sync_*``: one bounded step of a code sync each (a plan, or one chunk
+        of a few MB), so this loop stays responsive while a tree arrives."""
+        self.reply(ident, req, True, self._sync().handle(op, args))
 
     # ---------------------------------------------------------------- ops (controller)
     def op_hello(self, ident, req, controller_addr, persistent_hint=None):

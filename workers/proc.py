@@ -320,6 +320,10 @@ def main(cfg: dict) -> int:
     rt = Runtime(bind_host=cfg["bind"], role="proc")
     install_runtime(rt)
     worker = ProcWorker(rt, cfg)
+    if cfg.get("sync"):   # synced code on this host: its folders on sys.path, the cwd
+        from monarch_kernel.sync.reload import setup_proc
+
+        setup_proc(cfg["sync"])
     global WORKER
     WORKER = worker
     sys.stdout, sys.stderr = worker.stdout, worker.stderr

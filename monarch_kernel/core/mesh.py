@@ -245,6 +245,12 @@ class ProcMesh(_Sliceable):
         hm._respawn(st)
         return self
 
+    def sync_workspace(self, paths=None, **kwargs):
+        """Push local code to this mesh's hosts; procs reload it (monarch_kernel.sync)."""
+        from ..sync import sync_workspace
+
+        return sync_workspace(self, paths, **kwargs)
+
     def __repr__(self):
         return f"<ProcMesh '{self.name}' {self._view.describe()}{_dead_note(self)}>"
 

@@ -1,0 +1,151 @@
+"""Worker side of ``%%on_mesh``: a built-in actor that runs notebook cells in a proc.
+
+One ``CellRunner`` is spawned per proc mesh under the reserved name ``__cells__`` (see
+``session.CELL_ACTOR``). Its namespace is this module's ``NAMESPACE``, a module-global dict
+of the proc, so it persists across cells (and kernel restarts, which leave procs alone)
+and actors on the same proc can read it (``from monarch_kernel.jupyter.cells import
+NAMESPACE``).
+
+Cells run on the proc's main thread (actor endpoints do), so the kernel's interrupt
+becomes a KeyboardInterrupt in the cell. ``run`` never raises: a failure comes back as a
+``CellFailure`` whose traceback starts at the cell's own lines (registered in linecache
+under the cell's filename), so the controller can group identical errors across ranks.
+
+Rich output: ``display(obj)`` (predefined in the namespace) sends
+``("display", rank, data, metadata)`` to the controller's sink; matplotlib figures left
+open at the end of a cell are sent the same way, as PNG.
+"""
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import sys
+import traceback
+
+from monarch_kernel.core.actors import Actor, endpoint
+from monarch_kernel.core.context import current_rank
+
+NAMESPACE: dict = {"__name__": "__on_mesh__"}
+
+
+class CellFailure:
+    """What a raising cell sends back instead of raising (so all ranks' outcomes arrive)."""
+
+    __slots__ = ("exc_type", "message", "traceback", "rank")
+
+    def __init__(self, exc_type: str, message: str, tb: str, rank: int):
+        self.exc_type, self.message, self.traceback, self.rank = exc_type, message, tb, rank
+
+    def __reduce__(self):
+        return (CellFailure, (self.exc_type, self.message, self.traceback, self.rank))
+
+    def __repr__(self):
+        return f"CellFailure(rank {self.rank}: {self.exc_type}: {self.message})"
+
+
+def display(*objs, **kwargs) -> None:
+    """Show objects under the notebook cell that runs this code, labelled with the rank."""
+    for obj in objs:
+        data, metadata = _format(obj)
+        _send_display(data, metadata)
+
+
+def _format(obj) -> tuple[dict, dict]:
+    try:
+        from IPython.core.formatters import DisplayFormatter
+
+        global _FORMATTER
+        if _FORMATTER is None:
+            _FORMATTER = DisplayFormatter()
+        data, md = _FORMATTER.format(obj)
+        return dict(data), dict(md)
+    except Exception:
+        return {"text/plain": repr(obj)}, {}
+
+
+_FORMATTER = None
+
+
+def _send_display(data: dict, metadata: dict) -> None:
+    import workers.proc as proc_mod
+
+    w = proc_mod.WORKER
+    if w is None or w.sink is None:
+        print(data.get("text/plain", ""))
+        return
+    w.flush_output()   # keep order: text printed before the display arrives before it
+    w.rt.send(w.sink[0], w.sink[1], ("display", w.rank, data, metadata))
+
+
+def _send_open_figures() -> None:
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    import base64
+    import io
+
+    for num in plt.get_fignums():
+        fig = plt.figure(num)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        _send_display({"image/png": base64.b64encode(buf.getvalue()).decode(),
+                       "text/plain": repr(fig)}, {})
+    plt.close("all")
+
+
+class CellRunner(Actor):
+    """Runs cells, and pushes/pulls variables, in this proc's persistent namespace."""
+
+    def __init__(self, mesh):
+        os.environ.setdefault("MPLBACKEND", "agg")
+        rank = current_rank().rank
+        NAMESPACE.update(rank=rank, world_size=len(mesh), mesh=mesh, display=display)
+        NAMESPACE.setdefault("__builtins__", __builtins__)
+        self.rank = rank
+
+    @endpoint
+    def run(self, code: str, filename: str, want_value: bool = True):
+        """Execute ``code``; the value of a last bare expression is returned (None if the
+        cell ends in a statement or a ';'), a CellFailure if it raised."""
+        lines = code.splitlines(keepends=True)
+        linecache.cache[filename] = (len(code), None, lines, filename)
+        try:
+            tree = ast.parse(code, filename, "exec")
+            last = None
+            if want_value and tree.body and isinstance(tree.body[-1], ast.Expr) \
+                    and not code.rstrip().endswith(";"):
+                last = ast.Expression(tree.body.pop().value)
+            exec(compile(tree, filename, "exec"), NAMESPACE)
+            value = None
+            if last is not None:
+                value = eval(compile(last, filename, "eval"), NAMESPACE)
+                if value is not None:
+                    NAMESPACE["_"] = value
+            return value
+        except BaseException as e:   # noqa: B036  (KeyboardInterrupt too: it is the interrupt)
+            return self._failure(e, filename)
+        finally:
+            try:
+                _send_open_figures()
+            except Exception:
+                pass
+
+    @endpoint
+    def push(self, values: dict) -> None:
+        NAMESPACE.update(values)
+
+    @endpoint
+    def pull(self, name: str):
+        if name not in NAMESPACE:
+            return CellFailure("NameError", f"name {name!r} is not defined on this rank", "", self.rank)
+        return NAMESPACE[name]
+
+    def _failure(self, e: BaseException, filename: str) -> CellFailure:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+            tb = tb.tb_next
+        if isinstance(e, SyntaxError):
+            tb = None
+        text = "".join(traceback.format_exception(type(e), e, tb))
+        return CellFailure(type(e).__name__, str(e), text, self.rank)

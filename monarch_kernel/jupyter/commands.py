@@ -1,0 +1,234 @@
+"""The built-in ``%mesh`` subcommands: connect, status, list, disconnect, stop, push, pull.
+
+Each is a parser plus a ``handler(ctx, args)`` registered with ``mesh_command`` (see
+magics.py for how other features add theirs).
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+from IPython.core.error import UsageError
+
+from ..core.connection import list_meshes
+from ..core.mesh import ProcMesh
+from .display import Table, rank_ranges
+from .magics import mesh_command, mesh_parser
+from .on_mesh import select
+from .session import CELL_ACTOR, default_mesh_name, parse_duration
+
+
+def _per_host(text: str) -> dict:
+    out = {}
+    for term in text.split(","):
+        k, eq, v = term.partition("=")
+        if not eq or not k.strip().isidentifier() or not v.strip().isdigit() or int(v) < 1:
+            raise ValueError(f"--per-host {text!r}: use DIM=N[,DIM=N], e.g. --per-host gpus=4")
+        out[k.strip()] = int(v)
+    return out
+
+
+# ----------------------------------------------------------------------- connect
+CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
+                      usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--lease DURATION]")
+CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
+                                             f"{default_mesh_name()!r})")
+_size = CONNECT.add_mutually_exclusive_group()
+_size.add_argument("--procs", type=int, metavar="N", help="N worker procs (default: one per GPU, else core)")
+_size.add_argument("--per-host", metavar="DIM=N", help="named dims per host, e.g. gpus=4")
+CONNECT.add_argument("--lease", metavar="DURATION",
+                     help="keep the mesh this long with no notebook attached (90s, 15m, 2h; default 1h)")
+
+
+@mesh_command(CONNECT)
+def connect(ctx, args):
+    if args.procs is not None and args.procs < 1:
+        raise ValueError(f"--procs must be at least 1, got {args.procs}")
+    per_host = _per_host(args.per_host) if args.per_host else None
+    lease = parse_duration(args.lease) if args.lease else None
+    t0 = time.perf_counter()
+    pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=_progress(ctx))
+    took = time.perf_counter() - t0
+    name = ctx.session.name
+    dims = ", ".join(f"{k}={v}" for k, v in pm.sizes.items())
+    how = "started" if spawned else "re-attached (namespaces and actors kept)"
+    print(f"mesh {name!r}: {len(pm)} procs ({dims}) {how} in {took:.2f} s")
+    dead = pm.dead_ranks()
+    if dead:
+        print(f"{rank_ranges(dead)} died while no notebook was attached: `mesh.respawn()` replaces them")
+    ns = ctx.shell.user_ns
+    if isinstance(ns.get("mesh", None), (ProcMesh, type(None))):
+        ns["mesh"] = pm
+        print("`mesh` is its ProcMesh (spawn actors with mesh.spawn(...)); run cells with %%on_mesh")
+    return None
+
+
+def _progress(ctx):
+    """A progress bar while procs start: a widget in a notebook, text elsewhere."""
+    kernel = getattr(ctx.shell, "kernel", None)
+    state: dict = {}
+
+    def update(ready: int, total: int):
+        bar = state.get("bar")
+        if bar is None:
+            if kernel is not None:
+                try:
+                    import ipywidgets
+                    from IPython.display import display
+
+                    bar = state["bar"] = ipywidgets.IntProgress(value=0, min=0, max=total,
+                                                                description="procs")
+                    display(bar)
+                except Exception:
+                    bar = state["bar"] = False
+            else:
+                bar = state["bar"] = False
+                print(f"starting {total} procs...", flush=True)
+        if bar:
+            bar.value = ready
+            bar.description = f"{ready}/{total}"
+            if ready >= total:
+                bar.bar_style = "success"
+
+    return update
+
+
+# ----------------------------------------------------------------------- status / list
+STATUS = mesh_parser("status", "ranks, pids, state, CPU and memory of each proc of the mesh")
+
+
+@mesh_command(STATUS)
+def status(ctx, args):
+    procs, _ = ctx.require()
+    states = procs.states().values()
+    usage = {}
+    try:
+        usage = {r["key"]: r for r in ctx.session.host.status()}
+    except Exception:
+        pass
+    show_buffers = any("buffers" in s for s in states)
+    head = ["rank", "host", "pid", "state", "cpu %", "rss MiB", "actors"]
+    if show_buffers:
+        head.append("buffers")
+    rows = []
+    for ref, st in zip(procs.procs(), states, strict=False):
+        u = usage.get(ref.key, {})
+        actors = ", ".join(a for a in st.get("actors", []) if a != CELL_ACTOR)
+        row = [ref.rank, st.get("host", ref.host), st.get("pid", ref.pid), _state(st.get("state", "?")),
+               "" if u.get("cpu") is None else f"{u['cpu']:.0f}",
+               "" if u.get("rss") is None else f"{u['rss'] / 2**20:.0f}", actors]
+        if show_buffers:
+            row.append(_buffers(st.get("buffers")))
+        rows.append(row)
+    dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
+    dead = procs.dead_ranks()
+    note = f"{rank_ranges(dead)} dead: `mesh.respawn()` replaces them" if dead else ""
+    return Table(f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})", head, rows, note)
+
+
+def _state(s: str) -> str:
+    if s == f"in {CELL_ACTOR}.run":
+        return "running cell"
+    if s.startswith(f"in {CELL_ACTOR}."):
+        return "busy (push/pull)"
+    if s.startswith("in "):
+        return f"in endpoint {s[3:]}"
+    return s
+
+
+def _buffers(b) -> str:
+    if b is None:
+        return ""
+    if isinstance(b, (list, tuple)):
+        return str(len(b))
+    if isinstance(b, dict) and ("count" in b or "bytes" in b):
+        mib = f" ({b['bytes'] / 2**20:.1f} MiB)" if "bytes" in b else ""
+        return f"{b.get('count', '')}{mib}"
+    return str(b)
+
+
+LIST = mesh_parser("list", "meshes known on this machine and whether their agents are alive")
+
+
+@mesh_command(LIST)
+def list_(ctx, args):
+    here = socket.gethostname()
+    rows = []
+    for name, info, alive in list_meshes():
+        agents = info.get("agents", [])
+        pids = ", ".join(str(a.get("pid")) for a in agents if a.get("host") == here) or "-"
+        lease = info.get("lease")
+        mark = "connected" if name == ctx.session.name and ctx.session.procs is not None else ""
+        rows.append([name, "alive" if alive else "gone", len(agents), pids,
+                     "-" if lease is None else f"{lease:g} s", mark])
+    note = "" if rows else "no meshes: `%mesh connect` starts one"
+    return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", "lease", ""], rows, note)
+
+
+# ----------------------------------------------------------------------- disconnect / stop
+DISCONNECT = mesh_parser("disconnect", "let go of the mesh and leave it running (re-attach with connect)")
+
+
+@mesh_command(DISCONNECT)
+def disconnect(ctx, args):
+    name = ctx.session.disconnect()
+    if name is None:
+        print("no mesh was connected")
+    else:
+        print(f"disconnected from mesh {name!r}; it keeps running until its lease ends: "
+              f"`%mesh connect {name}` re-attaches")
+    _drop_mesh_var(ctx)
+
+
+STOP = mesh_parser("stop", "stop the mesh: its procs (and their state) and its agent")
+STOP.add_argument("name", nargs="?", help="mesh to stop (default: the connected one)")
+
+
+@mesh_command(STOP)
+def stop(ctx, args):
+    name = ctx.session.stop(args.name)
+    print(f"mesh {name!r} stopped")
+    _drop_mesh_var(ctx)
+
+
+def _drop_mesh_var(ctx):
+    ns = ctx.shell.user_ns
+    if isinstance(ns.get("mesh"), ProcMesh) and ctx.session.procs is None:
+        ns.pop("mesh", None)
+
+
+# ----------------------------------------------------------------------- push / pull
+def _selection(p):
+    p.add_argument("--ranks", metavar="SPEC", help="Monarch rank grammar: 3 | 1,4,6 | 0:8:2 | gpus=1:3")
+    p.add_argument("--slice", metavar="DIM=RANGE", help="slice by a named dim, e.g. gpus=0:2")
+
+
+PUSH = mesh_parser("push", "copy notebook variables into each selected rank's namespace",
+                   usage="%mesh push NAME [NAME ...] [--ranks SPEC] [--slice DIM=RANGE]")
+PUSH.add_argument("names", nargs="+", metavar="NAME")
+_selection(PUSH)
+
+
+@mesh_command(PUSH)
+def push(ctx, args):
+    _, cells = ctx.require()
+    ns = ctx.shell.user_ns
+    missing = [n for n in args.names if n not in ns]
+    if missing:
+        raise UsageError(f"%mesh push: no variable {', '.join(map(repr, missing))} in the notebook")
+    target = select(cells, args.ranks, args.slice)
+    ctx.call_cells(target, "push", ({n: ns[n] for n in args.names},), what="the push")
+    print(f"pushed {', '.join(args.names)} to {rank_ranges(target._view.ranks)}")
+
+
+PULL = mesh_parser("pull", "bring a variable back from each selected rank, as a ValueMesh",
+                   usage="%mesh pull NAME [--ranks SPEC] [--slice DIM=RANGE]")
+PULL.add_argument("name", metavar="NAME")
+_selection(PULL)
+
+
+@mesh_command(PULL)
+def pull(ctx, args):
+    _, cells = ctx.require()
+    target = select(cells, args.ranks, args.slice)
+    return ctx.call_cells(target, "pull", (args.name,), what="the pull")

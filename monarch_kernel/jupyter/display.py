@@ -1,0 +1,139 @@
+"""What ``%%on_mesh`` and ``%mesh`` leave in the notebook: results, grouped errors, tables.
+
+Every object here has a short text repr and an HTML repr, and both are deterministic
+for the same values (nbval compares them).
+"""
+from __future__ import annotations
+
+import html
+
+from ..core.errors import MonarchError
+from ..core.shape import Extent
+from ..core.values import ValueMesh
+
+
+def rank_ranges(ranks) -> str:
+    """[0, 1, 2, 3, 5] -> 'ranks 0-3,5'; [2] -> 'rank 2'."""
+    ranks = sorted(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+class CellValues(ValueMesh):
+    """A ValueMesh from ``%%on_mesh`` that remembers the mesh ranks it came from, so the
+    table shows rank 4 as rank 4 even when the cell ran on ``--ranks 1,4,6``."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, extent: Extent, values, ranks=None):
+        super().__init__(extent, values)
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(len(self)))
+
+    def __reduce__(self):
+        return (CellValues, (self._extent, self._values, self.ranks))
+
+    def __repr__(self):
+        dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
+        lines = [f"ValueMesh({dims})"]
+        for r, v in zip(self.ranks, self._values, strict=False):
+            lines.append(f"  rank {r}: {v!r}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(repr(self))
+
+    def _repr_html_(self):
+        labels = list(self._extent.labels)
+        head = "<th>rank</th>" + "".join(f"<th>{html.escape(k)}</th>" for k in labels) + "<th>value</th>"
+        rows = []
+        for (p, v), r in zip(self.items(), self.ranks, strict=False):
+            cells = "".join(f"<td>{c}</td>" for c in p.coords.values())
+            rows.append(f"<tr><td>{r}</td>{cells}<td><code>{html.escape(repr(v))}</code></td></tr>")
+        dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
+        return (f"<div><b>ValueMesh</b> ({html.escape(dims)})<table><tr>{head}</tr>"
+                + "".join(rows) + "</table></div>")
+
+
+class MeshCellError(MonarchError):
+    """A cell (or push/pull) raised on some ranks. Identical errors are shown once with
+    their ranks; ``results`` is the ValueMesh of every selected rank's outcome (values,
+    or a CellFailure / ActorError where it raised), so no rank's result is lost."""
+
+    def __init__(self, groups: list[tuple[list[int], str, str, str]], results=None, note: str = ""):
+        # groups: (ranks, exc_type, message, traceback text)
+        self.groups = groups
+        self.results = results
+        self.note = note
+        super().__init__(self._summary())
+
+    def _summary(self) -> str:
+        out = "; ".join(f"{rank_ranges(r)}: {t}: {m}" if m else f"{rank_ranges(r)}: {t}"
+                        for r, t, m, _ in self.groups)
+        return f"{out} ({self.note})" if self.note else out
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows these lines instead of the controller-side traceback."""
+        red, reset = "\x1b[31m", "\x1b[0m"
+        lines = []
+        for ranks, t, m, tb in self.groups:
+            lines.append(f"{red}{rank_ranges(ranks)}: {t}: {m}{reset}" if m else
+                         f"{red}{rank_ranges(ranks)}: {t}{reset}")
+            if tb:
+                lines.append(tb.rstrip("\n"))
+        if self.note:
+            lines.append(self.note)
+        return lines
+
+
+_NAMED: dict[tuple[str, type], type] = {}
+
+
+def cell_error(groups, results=None, note: str = "", base: type = MeshCellError) -> MeshCellError:
+    """A MeshCellError whose class is named after the remote exception when every rank
+    raised the same type, so the notebook says ``ZeroDivisionError`` (still catchable
+    as MeshCellError)."""
+    types = {g[1] for g in groups}
+    cls = base
+    if len(types) == 1:
+        name = types.pop()
+        if name.isidentifier():
+            cls = _NAMED.get((name, base))
+            if cls is None:
+                cls = _NAMED[(name, base)] = type(name, (base,), {"__module__": "monarch_kernel.remote"})
+    return cls(groups, results, note)
+
+
+class CellInterrupted(MeshCellError, KeyboardInterrupt):
+    """The cell was interrupted (the kernel's interrupt, or ``--timeout``) on every rank."""
+
+
+class Table:
+    """A small table with a text and an HTML form (``%mesh status``, ``%mesh list``)."""
+
+    def __init__(self, title: str, head: list[str], rows: list[list], note: str = ""):
+        self.title, self.head, self.rows, self.note = title, head, rows, note
+
+    def __repr__(self):
+        cols = [self.head] + [[str(c) for c in r] for r in self.rows]
+        widths = [max(len(str(row[i])) for row in cols) for i in range(len(self.head))]
+        fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()
+        lines = [self.title, fmt(self.head)] + [fmt(r) for r in cols[1:]]
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(repr(self))
+
+    def _repr_html_(self):
+        th = "".join(f"<th>{html.escape(h)}</th>" for h in self.head)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
+                       for r in self.rows)
+        note = f"<div>{html.escape(self.note)}</div>" if self.note else ""
+        return f"<div><b>{html.escape(self.title)}</b><table><tr>{th}</tr>{body}</table>{note}</div>"

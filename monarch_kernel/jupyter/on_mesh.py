@@ -1,0 +1,187 @@
+"""Running ``%%on_mesh`` cells from the controller: select ranks, call, wait, report.
+
+Waiting has two forms sharing one loop body (``_Run.tick``):
+  * async (the kernel's path): the cell magic is rewritten to ``await`` (see magics.py),
+    so the kernel's event loop keeps dispatching comm messages while ranks run, and the
+    kernel's interrupt arrives as ``asyncio.CancelledError``;
+  * sync (``%on_mesh`` line form, or autoawait off): ``Future.get`` in short slices, the
+    interrupt arrives as ``KeyboardInterrupt``.
+Either way an interrupt, or ``--timeout``, calls ``ProcMesh.interrupt()`` (re-sent every
+0.2 s, since a rank may not have started the cell yet) and waits up to ``STOP_GRACE_S``
+for every rank to report back; the mesh stays usable.
+
+``WAIT_HOOKS``: callables ``hook(run)`` called on every tick (about 10 per second) while a
+cell runs, on the kernel's main thread, where blocking ``input()`` works. The debugger
+(issue 5) uses it to notice ranks paused in ``breakpoint()`` and open its console.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+
+from ..core.errors import ActorError, SupervisionError
+from ..core.mesh import ActorMesh, ProcMesh
+from ..core.shape import MeshView, parse_rank_spec
+from .cells import CellFailure
+from .display import CellInterrupted, CellValues, cell_error
+
+TICK_S = 0.1
+STOP_GRACE_S = 2.0
+WAIT_HOOKS: list[Callable[[_Run], None]] = []
+_cell_counter = itertools.count(1)
+
+
+def select(cells: ActorMesh, ranks: str | None, slice_: str | None) -> ActorMesh:
+    """Apply ``--slice`` (named dims) then ``--ranks`` (the rank grammar) to the mesh.
+    A bad spec raises ValueError naming the valid range."""
+    view: MeshView = cells._view
+    if slice_:
+        if "=" not in slice_:
+            raise ValueError(f"--slice {slice_!r}: name a dimension, e.g. --slice gpus=0:2 "
+                             f"(dims: {', '.join(view.labels) or 'none'})")
+        view = parse_rank_spec(slice_, view)
+    if ranks:
+        view = parse_rank_spec(ranks, view)
+    return ActorMesh(cells._state, view)
+
+
+def cell_filename(execution_count) -> str:
+    n = next(_cell_counter)
+    return f"<In [{execution_count}] on mesh>" if execution_count else f"<mesh cell {n}>"
+
+
+class _Run:
+    """One call on the cell runner mesh, waited for with interrupt and timeout."""
+
+    def __init__(self, target: ActorMesh, method: str, args: tuple, timeout: float | None,
+                 capture=None, what: str = "the cell"):
+        self.procs = ProcMesh(target._state.proc_state, target._view)   # to interrupt
+        self.target = target
+        self.ranks = list(target._view.ranks)
+        self.timeout = timeout
+        self.capture = capture
+        self.what = what
+        self.started = time.monotonic()
+        self.future = getattr(target, method).call(*args)
+        self.interrupted_at: float | None = None
+        self.reason = ""
+        self._last_interrupt = 0.0
+
+    def interrupt(self, reason: str) -> None:
+        if self.interrupted_at is None:
+            self.interrupted_at = time.monotonic()
+            self.reason = reason
+        self._send_interrupt()
+
+    def _send_interrupt(self):
+        self._last_interrupt = time.monotonic()
+        self.procs.interrupt()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        cap = self.capture
+        if cap is not None and not cap.live and now - self.started >= _hold_s():
+            cap.go_live()
+        if self.interrupted_at is None:
+            if self.timeout is not None and now - self.started >= self.timeout:
+                self.interrupt(f"timed out after {self.timeout:g} s")
+            for hook in WAIT_HOOKS:
+                hook(self)
+        elif now - self._last_interrupt >= 0.2:
+            self._send_interrupt()
+
+    def gave_up(self) -> bool:
+        return self.interrupted_at is not None and time.monotonic() - self.interrupted_at > STOP_GRACE_S
+
+    # ---------------------------------------------------------------- waiting
+    def wait_sync(self):
+        while True:
+            try:
+                return self.future.get(TICK_S)
+            except TimeoutError:
+                pass
+            except KeyboardInterrupt:
+                self.interrupt("interrupted")
+                continue
+            if self.gave_up():
+                return self._unstoppable()
+            self.tick()
+
+    async def wait_async(self):
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake(_):
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        self.future.add_done_callback(wake)
+        while not self.future.done():
+            try:
+                await asyncio.wait([done], timeout=TICK_S)
+            except asyncio.CancelledError:   # the kernel's interrupt, in an async cell
+                self.interrupt("interrupted")
+                continue
+            if self.future.done():
+                break
+            if self.gave_up():
+                return self._unstoppable()
+            self.tick()
+        return self.future.get()
+
+    def _unstoppable(self):
+        from ..core.runtime import runtime
+
+        rt = runtime()
+        busy = [r for r in self.ranks if self.procs._state.procs[r].key not in rt.dead]
+        raise cell_error([(busy, "KeyboardInterrupt", f"{self.what} {self.reason}, but did not stop within "
+                           f"{STOP_GRACE_S:g} s (a rank may be stuck in native code)", "")],
+                         note="those ranks stay busy; `%mesh status` shows them, `%mesh stop` ends the mesh",
+                         base=CellInterrupted)
+
+
+def _hold_s() -> float:
+    from . import output
+
+    return output.HOLD_S
+
+
+def outcome(run: _Run, values) -> CellValues:
+    """The ValueMesh of a finished run; raises the grouped error if any rank failed."""
+    extent = run.target._view.extent
+    result = CellValues(extent, values, run.ranks)
+    groups: dict[tuple[str, str], list] = {}
+    for r, v in zip(run.ranks, values, strict=False):
+        if isinstance(v, CellFailure):
+            key, tb = (v.exc_type, v.message), v.traceback
+        elif isinstance(v, ActorError):
+            key, tb = (v.exc_type or "ActorError", v.message), v.remote_traceback
+        else:
+            continue
+        g = groups.setdefault(key, [[], tb])
+        g[0].append(r)
+    if not groups:
+        return result
+    ordered = sorted(groups.items(), key=lambda kv: kv[1][0][0])
+    gs = [(ranks, t, m, tb) for (t, m), (ranks, tb) in ordered]
+    failed = {r for g in gs for r in g[0]}
+    ok = [r for r in run.ranks if r not in failed]
+    note = f"the other ranks' values are in `_on_mesh` ({rank_list(ok)})" if ok else ""
+    if run.interrupted_at is not None:
+        note = f"{run.what} was {run.reason} on every rank; the mesh is still usable" + (
+            f"; {note}" if note else "")
+        raise cell_error(gs, result, note, base=CellInterrupted)
+    raise cell_error(gs, result, note)
+
+
+def rank_list(ranks) -> str:
+    from .display import rank_ranges
+
+    return rank_ranges(ranks)
+
+
+def supervision_message(err: SupervisionError) -> str:
+    text = str(err).split(". Call respawn()")[0]
+    return (f"{text}\nThe other ranks keep their state; `mesh.respawn()` replaces the dead procs (with an "
+            "empty namespace); `%mesh status` shows the mesh")

@@ -1,0 +1,267 @@
+"""The notebook's connection to a mesh: which HostMesh, ProcMesh and cell runner are current.
+
+A mesh is a persistent local HostMesh (``this_host(name)``): its agent outlives the
+kernel, so after a kernel restart ``%mesh connect`` with the same name (the default one
+if none was given) re-attaches to the same procs, namespaces and actors.
+
+The default name comes from the notebook: jupyter_server gives the kernel the notebook's
+path in ``JPY_SESSION_NAME``; without it the name is ``default``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+
+from ..core import hosts as hosts_mod
+from ..core.connection import agent_alive, read_connection_file
+from ..core.errors import MeshGoneError
+from ..core.hosts import HostMesh, this_host
+from ..core.mesh import ActorMesh, ProcMesh
+from ..core.runtime import runtime
+
+log = logging.getLogger("monarch_kernel.jupyter")
+
+PROC_MESH = "procs"         # the proc mesh a notebook's cells run on
+CELL_ACTOR = "__cells__"    # reserved actor mesh name of the cell runner
+PREWARM_LEASE_S = 120.0     # an agent started ahead of time, never used, goes away after this
+
+
+def default_mesh_name() -> str:
+    """``<notebook stem>-<hash of its path>`` when the kernel knows its notebook, else
+    ``default``: stable across kernel restarts, distinct for two notebooks of one name."""
+    path = os.environ.get("JPY_SESSION_NAME", "")
+    if not path:
+        return os.environ.get("MONARCH_KERNEL_DEFAULT_MESH", "default")
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", os.path.splitext(os.path.basename(path))[0]).strip("-.")
+    digest = hashlib.sha1(path.encode()).hexdigest()[:6]
+    return f"{(stem or 'nb')[:40]}-{digest}"
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``2h``, ``1d`` -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text or "")
+    if not m:
+        raise ValueError(f"bad duration {text!r}: use seconds (90) or a number with s, m, h or d (15m, 2h)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+class MeshSession:
+    """What ``%mesh`` and ``%%on_mesh`` act on. One per kernel (``session()``)."""
+
+    def __init__(self):
+        self.host: HostMesh | None = None
+        self.procs: ProcMesh | None = None
+        self.cells: ActorMesh | None = None
+        self.name: str | None = None
+        self._prewarm: threading.Thread | None = None
+        self._prewarmed: str | None = None
+
+    # ------------------------------------------------------------------ prewarm
+    def prewarm(self, name: str | None = None) -> None:
+        """Start (or attach to) the default mesh's agent and its warm zygote in the
+        background, so the first ``%mesh connect`` does not wait for Python and torch."""
+        name = name or default_mesh_name()
+
+        def go():
+            try:
+                this_host(name, lease=PREWARM_LEASE_S)
+                self._prewarmed = name
+            except Exception as e:   # the user will see the real error on %mesh connect
+                log.warning("prewarming mesh %r failed: %s", name, e)
+
+        self._prewarm = threading.Thread(target=go, name="monarch-prewarm", daemon=True)
+        self._prewarm.start()
+
+    # ------------------------------------------------------------------ connect
+    def connect(self, name: str | None, procs: int | None, per_host: dict | None, lease: float | None,
+                progress=None) -> tuple[ProcMesh, bool]:
+        """Attach to (or start) mesh ``name`` and its notebook proc mesh; True if it was
+        spawned now, False if re-attached."""
+        name = name or default_mesh_name()
+        if self._prewarm is not None:
+            self._prewarm.join()
+        if self.host is not None and self.name != name:
+            self.disconnect()
+        stale = hosts_mod._named.get(name)
+        if stale is not None and not stale._detached and not host_alive(stale):
+            stale._forget()
+        hm = this_host(name, lease=lease)
+        if lease is not None or (self._prewarmed == name and hm._process is not None):
+            set_lease(hm, lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
+        if self._prewarmed == name:
+            self._prewarmed = None   # it is the user's mesh now, kept on shutdown
+        self.host, self.name = hm, name
+        spawned = False
+        try:
+            pm = hm.proc_mesh(PROC_MESH)
+        except KeyError:
+            want = per_host or ({"gpus": procs} if procs else None)
+            pm = _spawn_with_progress(hm, want, progress)
+            spawned = True
+        else:
+            want = per_host or ({"gpus": procs} if procs else None)
+            if want and dict(zip(pm._state.labels, pm._state.sizes, strict=False)) != want:
+                have = ", ".join(f"{k}={v}" for k, v in zip(pm._state.labels, pm._state.sizes, strict=False))
+                raise ValueError(f"mesh {name!r} already runs with {have}; `%mesh stop {name}` first to "
+                                 "start it with another size (its state will be lost)")
+        self.procs = pm
+        try:
+            self.cells = pm.actor_mesh(CELL_ACTOR)
+        except KeyError:
+            from .cells import CellRunner
+
+            self.cells = pm.spawn(CELL_ACTOR, CellRunner, pm)
+        return pm, spawned
+
+    def require(self) -> tuple[ProcMesh, ActorMesh]:
+        """The current mesh, or an error that says how to get one."""
+        if self.procs is None or self.cells is None:
+            raise NotConnected("no mesh is connected: run `%mesh connect` first (a local mesh, one proc "
+                               "per GPU or CPU core; `%mesh connect --procs 4` for 4), or `%mesh connect "
+                               "NAME` to attach to a running one (`%mesh list` shows them)")
+        if self.procs._state.stopped:
+            raise NotConnected(f"mesh {self.name!r} was stopped: `%mesh connect {self.name}` starts it again")
+        if not host_alive(self.host):
+            name = self.name
+            self.forget()
+            raise MeshGoneError(f"mesh {name!r} is gone: its host agent no longer runs (its procs and "
+                                f"their state are lost). Run `%mesh connect {name}` to start a new one")
+        return self.procs, self.cells
+
+    # ------------------------------------------------------------------ leave
+    def disconnect(self) -> str | None:
+        name = self.name
+        if self.host is not None and not self.host._detached:
+            self.host.detach()
+        self.forget()
+        return name
+
+    def stop(self, name: str | None = None) -> str:
+        """Stop mesh ``name`` (default: the current one): its procs and its agent."""
+        name = name or self.name or default_mesh_name()
+        if self._prewarm is not None:
+            self._prewarm.join()
+        hm = self.host if self.name == name else None
+        if hm is None or hm._detached:
+            hm = hosts_mod._named.get(name)
+        if hm is None or hm._detached:
+            info = read_connection_file(name)   # MeshGoneError: no such mesh
+            if not agent_alive(info):
+                from ..core.connection import connection_path
+
+                connection_path(name).unlink(missing_ok=True)
+                raise MeshGoneError(f"mesh {name!r} was already gone (its agent no longer ran); "
+                                    "its connection file was removed")
+            hm = hosts_mod.attach(name)
+        hm.shutdown()
+        if self.name == name:
+            self.forget()
+        return name
+
+    def forget(self) -> None:
+        self.host = self.procs = self.cells = None
+        self.name = None
+
+    def shutdown_kernel(self) -> None:
+        """Kernel shutdown or restart: leave connected meshes running (persistent), stop
+        an agent that was only prewarmed and never got procs."""
+        if self._prewarm is not None:
+            self._prewarm.join(10)
+        pre = self._prewarmed and hosts_mod._named.get(self._prewarmed)
+        if pre and not pre._detached and not pre.proc_meshes and pre is not self.host:
+            pre.shutdown()
+        if self.host is not None and not self.host._detached:
+            if self.host.proc_meshes:
+                self.host.detach()
+            else:
+                self.host.shutdown()
+        self.forget()
+
+
+class NotConnected(Exception):
+    """``%%on_mesh`` or a ``%mesh`` command that needs a mesh, with none connected."""
+
+
+def host_alive(hm: HostMesh | None) -> bool:
+    """The host mesh's local agent still runs and its link is not declared lost."""
+    if hm is None or hm._detached:
+        return False
+    rt = runtime()
+    for a in hm._agents:
+        link = rt.agents.get(a["addr"])
+        if link is not None and link.lost:
+            return False
+        pid = a.get("pid")
+        if pid and a.get("host") in (None, *hm.hosts):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+    return True
+
+
+def set_lease(hm: HostMesh, seconds: float) -> None:
+    """Tell the agents how long to keep the mesh with no controller attached."""
+    rt = runtime()
+    futs = [rt.agent_request(a["addr"], hm._key, "lease", float(seconds)) for a in hm._agents]
+    for f in futs:
+        try:
+            f.get(5)
+        except Exception as e:
+            log.warning("could not set the lease: %s", e)
+
+
+def _spawn_with_progress(hm: HostMesh, per_host: dict | None, progress) -> ProcMesh:
+    """spawn_procs, reporting (ready, total) to ``progress`` while the procs start."""
+    if progress is None:
+        return hm.spawn_procs(per_host=per_host, name=PROC_MESH)
+    from ..core.hosts import _gpu_count
+
+    total = 1
+    for v in (per_host or {"gpus": _gpu_count() or os.cpu_count() or 1}).values():
+        total *= v
+    total *= len(hm)
+    out: dict = {}
+
+    def spawn():
+        try:
+            out["pm"] = hm.spawn_procs(per_host=per_host, name=PROC_MESH)
+        except BaseException as e:
+            out["err"] = e
+
+    t = threading.Thread(target=spawn, name="monarch-spawn", daemon=True)
+    t.start()
+    progress(0, total)
+    last = 0
+    while t.is_alive():
+        t.join(0.1)
+        if not t.is_alive():
+            break
+        try:
+            ready = sum(1 for r in hm.status() if r["mesh"] == PROC_MESH and r["state"] == "alive")
+        except Exception:
+            ready = last
+        if ready != last:
+            last = ready
+            progress(min(ready, total), total)
+        time.sleep(0.05)
+    if "err" in out:
+        raise out["err"]
+    progress(total, total)
+    return out["pm"]
+
+
+_SESSION: MeshSession | None = None
+
+
+def session() -> MeshSession:
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = MeshSession()
+    return _SESSION

@@ -3,7 +3,7 @@ import os
 
 import torch
 
-from monarch_kernel.actor import ActorError, Actor, current_rank, endpoint, this_host
+from monarch_kernel.actor import Actor, ActorError, current_rank, endpoint, this_host
 
 
 class Trainer(Actor):

@@ -165,12 +165,12 @@ class ProcWorker:
 
     # ---------------------------------------------------------------- the main loop
     def serve(self) -> int:
-        opener, work = self.rt.keyring.open, self.work
+        opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
         self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address)
         while self.running:
             try:
-                frames = work.recv_multipart(copy=False)
+                frames = recv(work)
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived after its call finished
             msg = opener(frames, "work inbox")

@@ -27,6 +27,7 @@ import zmq
 
 from . import wire
 from .errors import ActorError, MeshFailure, SupervisionError
+from .future import _PENDING as _PENDING_STATE
 from .future import Future
 
 log = logging.getLogger("monarch_kernel")
@@ -95,14 +96,14 @@ class PendingCall:
         return True
 
     def _finish(self):
-        from .values import ValueMesh
-
         if self.mode == "one":
             if self.failed:
                 self.future.set_exception(self.results[0])
             else:
                 self.future.set_result(self.results[0])
             return
+        from .values import ValueMesh
+
         mesh = ValueMesh(self.extent, self.results)
         if self.failed:
             first = self.results[min(self.failed)]
@@ -160,9 +161,15 @@ class Runtime:
         os.set_blocking(self._wake_r, False)
         self._unhandled: list[BaseException] = []
         self._closing = False
+        # Inbox hand-off (see wait_for): whoever holds _inbox_lock reads the inbox.
+        self._inbox_lock = threading.Lock()
+        self._inbox_holder: int | None = None      # thread ident of the reader
+        self._inbox_wanted = 0                     # user threads that want to read it
+        self._want_lock = threading.Lock()
+        self._inbox_released_at = 0.0
         self.handlers: dict[str, Callable] = {
             "r": self._on_result, "out": self._on_output, "died": self._on_died,
-            "unhandled": self._on_unhandled, "replaced": self._on_replaced,
+            "unhandled": self._on_unhandled, "replaced": self._on_replaced, "wake": _ignore,
         }
         self.agent_event_handlers: dict[str, Callable] = {"died": self._on_agent_died}
         self.output: Callable[[int, str, str], None] = _print_output
@@ -199,6 +206,7 @@ class Runtime:
     def new_call(self, keys: list[str], extent, mode: str, what: str) -> tuple[int, PendingCall]:
         call_id = next(self._ids)
         p = PendingCall(keys, extent, mode, what)
+        p.future._waiter = self.wait_for
         self._pending[call_id] = p
         out = self.outstanding
         for k in keys:
@@ -233,11 +241,74 @@ class Runtime:
                 fn(key, err)
             except Exception:
                 log.exception("death listener failed")
+        self._wake_inbox_reader()
+
+    def _wake_inbox_reader(self) -> None:
+        """A user thread blocked on the inbox in wait_for must re-check its future."""
+        holder = self._inbox_holder
+        if holder is not None and holder != threading.get_ident():
+            self.send(self.address, next(iter(self.keyring._keys.values())), ("wake",))
 
     def register_procs(self, refs, key: bytes) -> None:
         self.keyring.add(key)
         for r in refs:
             self.procs[r.key] = (r, key)
+
+    # ----------------------------------------------------------------- waiting on the inbox
+    def wait_for(self, fut: Future, timeout: float | None) -> None:
+        """Called by ``Future.get`` on a pending future: read the inbox in this thread until
+        ``fut`` is done, so its reply wakes this thread directly.
+
+        Leader/follower: the inbox is read by whoever holds ``_inbox_lock`` (a mutex is the
+        full memory barrier zmq asks for to move a socket between threads). The I/O thread
+        holds it only while nobody waits and gives it up when kicked through the wake pipe;
+        a second waiting thread leaves the inbox to the first and waits on its future.
+        """
+        me = threading.get_ident()
+        if threading.current_thread() is self._thread or self._inbox_holder == me:
+            return  # re-entrant (a handler waiting): fall back to the plain wait
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._want_lock:
+            self._inbox_wanted += 1
+        try:
+            while fut._state is _PENDING_STATE:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise fut._timeout_error(timeout)
+                if self._inbox_lock.acquire(blocking=False) or self._inbox_lock.acquire(timeout=0.002):
+                    self._inbox_holder = me
+                    try:
+                        self._pump(fut, deadline, timeout)
+                    finally:
+                        self._inbox_holder = None
+                        self._inbox_lock.release()
+                    return
+                holder = self._inbox_holder
+                if holder == self._thread.ident:
+                    os.write(self._wake_w, b"i")   # kick the I/O thread out of its poll
+                elif holder is not None:
+                    fut._wait_briefly(0.01 if left is None else min(0.01, left))
+        finally:
+            with self._want_lock:
+                self._inbox_wanted -= 1
+            self._inbox_released_at = time.monotonic()
+
+    def _pump(self, fut: Future, deadline, timeout) -> None:
+        inbox, opener, dispatch, recv = self.inbox, self.keyring.open, self._dispatch, wire.recv_message
+        events, POLLIN = zmq.EVENTS, zmq.POLLIN
+        while fut._state is _PENDING_STATE:
+            if not inbox.getsockopt(events) & POLLIN:
+                if deadline is None:
+                    ms = -1
+                else:
+                    ms = int((deadline - time.monotonic()) * 1000)
+                    if ms <= 0:
+                        raise fut._timeout_error(timeout)
+                if not inbox.poll(ms):
+                    continue
+            msg = opener(recv(inbox), "inbox")
+            if msg is not None and type(msg) is tuple:
+                dispatch(msg)
 
     # ----------------------------------------------------------------- agent links (I/O)
     def call_in_io(self, fn: Callable[[], None]) -> None:
@@ -278,6 +349,7 @@ class Runtime:
             self.keyring.add(key)
             link = self.agents[addr] = AgentLink(self, addr, key)
             self._poller.register(link.sock, zmq.POLLIN)
+            self._poller_in.register(link.sock, zmq.POLLIN)
         return link
 
     def forget_agent(self, addr: str) -> None:
@@ -285,50 +357,74 @@ class Runtime:
             link = self.agents.pop(addr, None)
             if link is not None:
                 self._poller.unregister(link.sock)
+                self._poller_in.unregister(link.sock)
                 link.sock.close(0)
         self.call_in_io(go)
 
     # ----------------------------------------------------------------- the I/O thread
     def _io_loop(self):
-        self._poller = poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        inbox, opener = self.inbox, self.keyring.open
+        """Poll agents and the wake pipe always; the inbox only while no user thread waits
+        on it (and not within 1 ms of one letting go, so back-to-back calls don't churn)."""
+        self._poller = poller = zmq.Poller()           # without the inbox
+        self._poller_in = poller_in = zmq.Poller()     # with it
+        poller_in.register(self.inbox, zmq.POLLIN)
+        for p in (poller, poller_in):
+            p.register(self._wake_r, zmq.POLLIN)
+        inbox, opener, lock = self.inbox, self.keyring.open, self._inbox_lock
+        me = threading.get_ident()
         next_tick = 0.0
         while not self._closing:
+            have = False
+            if not self._inbox_wanted and time.monotonic() - self._inbox_released_at > 0.001:
+                have = lock.acquire(blocking=False)
+                if have and self._inbox_wanted:
+                    lock.release()
+                    have = False
             try:
-                events = poller.poll(100)
+                if have:
+                    self._inbox_holder = me
+                events = (poller_in if have else poller).poll(100 if have or not self._inbox_wanted_recently()
+                                                              else 2)
             except zmq.ZMQError:
+                if have:
+                    self._inbox_holder = None
+                    lock.release()
                 if self._closing:
                     return
                 raise
-            for sock, _ in events:
-                if sock is inbox:
-                    for _ in range(10_000):
+            try:
+                for sock, _ in events:
+                    if sock is inbox:
+                        for _ in range(10_000):
+                            if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                                break
+                            msg = opener(wire.recv_message(inbox), "inbox")
+                            if msg is not None and type(msg) is tuple:
+                                self._dispatch(msg)
+                    elif sock == self._wake_r:
                         try:
-                            frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        msg = opener(frames, "inbox")
-                        if msg is not None and type(msg) is tuple:
-                            self._dispatch(msg)
-                elif sock == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                    while self._tasks:
-                        fn = self._tasks.popleft()
-                        try:
-                            fn()
-                        except Exception:
-                            log.exception("I/O task failed")
-                else:
-                    self._on_agent_socket(sock)
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                        while self._tasks:
+                            fn = self._tasks.popleft()
+                            try:
+                                fn()
+                            except Exception:
+                                log.exception("I/O task failed")
+                    else:
+                        self._on_agent_socket(sock)
+            finally:
+                if have:
+                    self._inbox_holder = None
+                    lock.release()
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + HEARTBEAT_S / 2
                 self._tick(now)
+
+    def _inbox_wanted_recently(self) -> bool:
+        return bool(self._inbox_wanted) or time.monotonic() - self._inbox_released_at <= 0.001
 
     def _dispatch(self, msg):
         h = self.handlers.get(msg[0])
@@ -410,7 +506,7 @@ class Runtime:
 
     def _host_lost(self, link: AgentLink, silent_s: float):
         log.error("host agent %s silent for %.1f s: declaring its host lost", link.addr, silent_s)
-        for req, fut in list(link.requests.items()):
+        for fut in list(link.requests.values()):
             fut.set_exception(SupervisionError(f"host agent {link.addr} is unreachable (silent for "
                                                f"{silent_s:.1f} s)"))
         link.requests.clear()
@@ -429,6 +525,10 @@ class Runtime:
         if threading.current_thread() is not self._thread:
             self._thread.join(2)
         self.ctx.destroy(linger=500)
+
+
+def _ignore(msg) -> None:
+    pass
 
 
 def _print_output(rank: int, stream: str, text: str) -> None:

@@ -22,6 +22,9 @@ import sys
 import types
 
 import cloudpickle
+import zmq
+
+_RCVMORE = zmq.RCVMORE
 
 log = logging.getLogger("monarch_kernel.wire")
 
@@ -81,6 +84,48 @@ def writable_view(mv: memoryview, owner) -> memoryview:
     return memoryview(arr).cast("B")
 
 
+def _none():
+    return None
+
+
+class _ByValue(Exception):
+    """Raised by the fast pickler when something must be pickled by value."""
+
+
+def _reduce_tensor(obj, torch):
+    data = obj.detach().contiguous()
+    flat = data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
+    buf = pickle.PickleBuffer(flat.numpy())
+    dtype = str(obj.dtype).removeprefix("torch.")
+    return _rebuild_tensor, (buf, dtype, tuple(obj.shape), bool(obj.requires_grad))
+
+
+def _tensor_reduction(obj, t):
+    torch = sys.modules.get("torch")
+    if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
+        if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
+            return _reduce_tensor(obj, torch)
+    return None
+
+
+class _FastPickler(pickle.Pickler):
+    """The C pickler, for messages of plain data, tensors and importable classes (the hot
+    path: a call's header pickles in under a microsecond). Anything that must travel by
+    value (a function or class from ``__main__`` or a notebook cell) raises _ByValue and
+    the message is pickled again by cloudpickle."""
+
+    def reducer_override(self, obj):
+        t = type(obj)
+        if t is SourceMarker:
+            return (_none, ())
+        r = _tensor_reduction(obj, t)
+        if r is not None:
+            return r
+        if (t is types.FunctionType or isinstance(obj, type)) and obj not in _OURS and not _by_reference(obj):
+            raise _ByValue
+        return NotImplemented
+
+
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file, buffers):
         super().__init__(file, protocol=5, buffer_callback=None if buffers is None else buffers.append)
@@ -90,26 +135,18 @@ class _Pickler(cloudpickle.Pickler):
         t = type(obj)
         if t is SourceMarker:
             return self._reduce_sources()
-        torch = sys.modules.get("torch")
-        if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
-            if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
-                return self._reduce_tensor(obj, torch)
+        r = _tensor_reduction(obj, t)
+        if r is not None:
+            return r
         if t is types.FunctionType and not _by_reference(obj):
             if self.source_files is None:
                 self.source_files = set()
             self.source_files.add(obj.__code__.co_filename)
         return super().reducer_override(obj)
 
-    def _reduce_tensor(self, obj, torch):
-        data = obj.detach().contiguous()
-        flat = data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
-        buf = pickle.PickleBuffer(flat.numpy())
-        dtype = str(obj.dtype).removeprefix("torch.")
-        return _rebuild_tensor, (buf, dtype, tuple(obj.shape), bool(obj.requires_grad))
-
     def _reduce_sources(self):
         if not self.source_files:
-            return (type(None), ())
+            return (_none, ())
         sources = {}
         for fn in self.source_files:
             lines = linecache.getlines(fn)
@@ -118,11 +155,19 @@ class _Pickler(cloudpickle.Pickler):
         return _install_sources, (sources,)
 
 
+_OURS = frozenset((_none, _rebuild_tensor, _install_sources))
+
+
 def dumps(obj) -> list:
     """Pickle ``obj``; returns ``[header, *buffers]`` (buffers as zero-copy memoryviews)."""
     buffers: list = []
     f = io.BytesIO()
-    _Pickler(f, buffers).dump(obj)
+    try:
+        _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    except Exception:
+        buffers = []
+        f = io.BytesIO()
+        _Pickler(f, buffers).dump(obj)
     return [f.getvalue()] + [b.raw() for b in buffers]
 
 
@@ -131,6 +176,19 @@ def dumps_inband(obj) -> bytes:
     f = io.BytesIO()
     _Pickler(f, None).dump(obj)
     return f.getvalue()
+
+
+def recv_message(sock, flags: int = 0) -> list:
+    """One message off a socket: the first frame as bytes (cheaper than a zmq.Frame for the
+    small header), the rest as zero-copy Frames (tensor payloads)."""
+    first = sock.recv(flags)
+    if not sock.getsockopt(_RCVMORE):
+        return [first]
+    frames = [first]
+    while True:
+        frames.append(sock.recv(copy=False))
+        if not sock.getsockopt(_RCVMORE):
+            return frames
 
 
 def loads(header, buffers=()):
@@ -164,22 +222,24 @@ class Keyring:
         return kid
 
     def sign(self, key: bytes, frames: list) -> list:
-        """``frames`` = [header, *buffers] -> the frames to send."""
+        """``frames`` = [header, *buffers] -> the frames to send: the first is
+        ``key id (8) + signature (32) + header``."""
         kid = self._ids.get(key) or self.add(key)
-        return [kid, _digest(key, frames[0], frames[1:]), *frames]
-
-    def sign_with_id(self, kid: bytes, frames: list) -> list:
-        return [kid, _digest(self._keys[kid], frames[0], frames[1:]), *frames]
+        header = frames[0]
+        return [b"".join((kid, _digest(key, header, frames[1:]), header)), *frames[1:]]
 
     def open(self, frames, where: str = "socket"):
         """Verify and unpickle received frames (zmq.Frame or bytes). Returns the message, or
         None after logging when it is malformed or not signed with a trusted key."""
-        if len(frames) < 3:
-            log.warning("dropped a malformed message on %s: %d frame(s)", where, len(frames))
+        first = frames[0] if frames else b""
+        first = first.buffer if hasattr(first, "buffer") else memoryview(first)
+        if len(first) < 41:
+            log.warning("dropped a malformed message on %s (%d frame(s), %d bytes)", where, len(frames),
+                        len(first))
             return None
-        kid, sig, header = (_bytes(f) for f in frames[:3])
+        kid, sig, header = bytes(first[:8]), bytes(first[8:40]), first[40:]
         key = self._keys.get(kid)
-        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[3:]]
+        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
         if key is None or not hmac.compare_digest(sig, _digest(key, header, bufs)):
             log.warning("dropped an unauthenticated message on %s (%s)", where,
                         "unknown key" if key is None else "bad signature")
@@ -199,5 +259,3 @@ class LoadFailure:
         self.error = error
 
 
-def _bytes(f) -> bytes:
-    return f.bytes if hasattr(f, "bytes") else bytes(f)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from monarch_kernel.actor import MeshGoneError, attach, this_host
-from monarch_kernel.core.connection import connection_path
+from monarch_kernel.core.connection import connection_path, home
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "persist_controller.py")
 
@@ -127,3 +127,29 @@ def test_stop_ends_the_procs_and_the_host_stays_usable():
         assert again.size() == 1 and alive(again.procs()[0].pid)
     finally:
         again.stop()
+
+
+def test_a_proc_that_died_while_detached_is_reported_on_attach_and_respawned():
+    name = "persist-died"
+    first = controller("start", name, "60", "detach")
+    os.kill(first["pids"][1], signal.SIGKILL)
+    log_file = home() / "logs" / f"{name}.log"
+    deadline = time.monotonic() + 5
+    while f"pid {first['pids'][1]}) killed" not in log_file.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)   # the agent has noticed the death before anyone attaches
+    hm = attach(name)
+    try:
+        pm = hm.proc_mesh("procs")
+        keeper = pm.actor_mesh("keeper")
+        assert pm.dead_ranks() == [1]
+        from monarch_kernel.actor import SupervisionError
+
+        with pytest.raises(SupervisionError, match="rank 1.*died while no controller was attached"):
+            keeper.state.call()
+        assert keeper.slice(gpus=0).state.call_one().get(30)["total"] == 105
+        pm.respawn()                 # the actor is re-created from its recorded spawn arguments
+        assert [s["total"] for s in keeper.state.call().get(30).values()] == [105, 100]
+        assert pm.procs()[1].pid != first["pids"][1] and pm.procs()[0].pid == first["pids"][0]
+    finally:
+        hm.shutdown()
+    assert wait_gone([first["agent_pid"], first["pids"][0]], 5) == []

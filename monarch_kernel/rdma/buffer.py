@@ -200,6 +200,9 @@ class RDMABuffer:
                                 "a new one") from None
             raise RDMAError(f"the owner refused the transfer ({_who(o)}): {e}") from None
         except (shm.OwnerGone, ConnectionError, FileNotFoundError, ProcessLookupError, OSError) as e:
+            if "deregistered" in str(e):   # ibverbs: the owner deregistered the region
+                raise RDMAError(f"the buffer was dropped by its owner ({_who(o)}); ask the owner for "
+                                "a new one") from None
             raise _dead_error(o, wait=1.0) or RDMAError(
                 f"the transfer failed ({_who(o)}, over {kind}): {e!r}") from None
         if staged is not None and not write:

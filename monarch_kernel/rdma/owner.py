@@ -158,7 +158,11 @@ class Registry:
 
     def listing(self) -> list[dict[str, Any]]:
         """What ``%mesh status`` shows: user buffers (not wire pins) of this process."""
-        return [{"size": e.nbytes, "dtype": e.dtype, "device": e.device, "backend": "auto"}
+        from .backends import get_rdma_backend
+
+        default = get_rdma_backend().default
+        return [{"size": e.nbytes, "dtype": e.dtype, "device": e.device,
+                 "backend": "tcp" if e.device != "cpu" else default}
                 for e in list(self.entries.values()) if e.releases is None and not e.dropped]
 
 

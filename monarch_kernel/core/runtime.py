@@ -136,7 +136,10 @@ class AgentLink:
 
 
 class Runtime:
-    def __init__(self, bind_host: str = "127.0.0.1", role: str = "controller"):
+    def __init__(self, bind_host: str | None = None, role: str = "controller"):
+        # Loopback unless asked: a controller driving other hosts must bind where their
+        # procs can reach it (MONARCH_KERNEL_BIND=10.0.0.5, or the launcher passes it).
+        bind_host = bind_host or os.environ.get("MONARCH_KERNEL_BIND") or "127.0.0.1"
         self.pid = os.getpid()
         self.role = role
         self.ident = uuid.uuid4().hex[:12]

@@ -1,0 +1,218 @@
+"""%mesh and %%on_mesh through a real Monarch kernel (jupyter_client) and a real 4-proc mesh."""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import pytest
+from kernel_harness import KernelHarness
+
+MESH = "kt-magics"
+
+
+@pytest.fixture(scope="module")
+def k():
+    h = KernelHarness()
+    try:
+        r = h.ok(f"%mesh connect {MESH} --procs 4", timeout=120)
+        assert "4 procs (gpus=4) started" in r.stdout
+        yield h
+    finally:
+        h.close(stop_meshes=(MESH,))
+
+
+# ----------------------------------------------------------------------- values and state
+def test_cell_value_is_a_valuemesh_and_state_persists_per_rank(k):
+    k.ok("%%on_mesh\nx = rank * 10")
+    r = k.ok("%%on_mesh\nx + 1")
+    assert r.result == "ValueMesh(gpus=4)\n  rank 0: 1\n  rank 1: 11\n  rank 2: 21\n  rank 3: 31"
+    html = r.data()[0]["data"]["text/html"]
+    assert "<table>" in html and "<td>31</td>" not in html and "<code>31</code>" in html
+
+
+def test_rank_world_size_and_mesh_are_predefined(k):
+    r = k.ok("%%on_mesh\n(rank, world_size, type(mesh).__name__)")
+    assert "rank 2: (2, 4, 'ProcMesh')" in r.result
+
+
+def test_statement_or_semicolon_shows_nothing(k):
+    assert k.ok("%%on_mesh\ny = 1").result == ""
+    assert k.ok("%%on_mesh\ny + 1;").result == ""
+
+
+def test_line_form_returns_a_valuemesh(k):
+    k.ok("r = %on_mesh rank * 2")
+    assert k.value("r.values()") == [0, 2, 4, 6]
+    assert k.value("type(r).__mro__[1].__name__") == "ValueMesh"
+
+
+def test_out_stores_the_valuemesh_in_the_notebook(k):
+    k.ok("%%on_mesh --out sq\nrank ** 2")
+    assert k.value("sq.values()") == [0, 1, 4, 9]
+
+
+@pytest.mark.parametrize("flags,ranks", [
+    ("--ranks 1,3", [1, 3]), ("--ranks 0:4:2", [0, 2]), ("--ranks 2", [2]),
+    ("--slice gpus=1:3", [1, 2]), ("--ranks gpus=3", [3]), ("--ranks ranks(0,1)", [0, 1]),
+])
+def test_rank_selection(k, flags, ranks):
+    r = k.ok(f"%%on_mesh {flags}\nrank")
+    assert [int(line.split(": ")[1]) for line in r.result.splitlines()[1:]] == ranks
+    assert [int(line.split(":")[0].split()[1]) for line in r.result.splitlines()[1:]] == ranks
+
+
+# ----------------------------------------------------------------------- output
+def test_output_is_labelled_by_rank_and_ordered(k):
+    r = k.ok("%%on_mesh\nimport time, sys\ntime.sleep((3 - rank) * 0.05)\nprint('a', rank)\n"
+             "print('b', rank)\nprint('oops', rank, file=sys.stderr)")
+    assert r.stdout == "".join(f"[rank {i}] a {i}\n[rank {i}] b {i}\n" for i in range(4))
+    assert r.stderr == "".join(f"[rank {i}] oops {i}\n" for i in range(4))
+
+
+@pytest.mark.parametrize("flag", ["--stream", ""])
+def test_output_streams_while_the_cell_runs(k, flag):
+    """The cell waits for a file the test creates only after it saw the cell's output:
+    if output were held until the cell ends, this would time out."""
+    flag_file = os.path.join(tempfile.mkdtemp(), "go")
+    code = (f"%%on_mesh --ranks 0 {flag}\nimport os, time\nprint('waiting', flush=True)\n"
+            f"t = time.time()\nwhile not os.path.exists({flag_file!r}) and time.time() - t < 30:\n"
+            "    time.sleep(0.02)\nos.path.exists(" + repr(flag_file) + ")")
+    seen = threading.Event()
+
+    def on_output(msg):
+        if msg["msg_type"] == "stream" and "[rank 0] waiting" in msg["content"]["text"]:
+            seen.set()
+            open(flag_file, "w").close()
+
+    r = k.wait(k.submit(code), timeout=60, on_output=on_output)
+    assert seen.is_set() and r.status == "ok"
+    assert "rank 0: True" in r.result
+
+
+def test_display_from_a_rank_lands_under_the_cell_labelled(k):
+    r = k.ok("%%on_mesh --ranks 0,1\nclass H:\n    def _repr_html_(self): return f'<i>h{rank}</i>'\n"
+             "print('before', rank)\ndisplay(H())\ndisplay({'r': rank})")
+    shown = r.data("display_data")
+    assert [d["metadata"]["monarch_kernel"]["rank"] for d in shown] == [0, 0, 1, 1]
+    assert "<i>h0</i>" in shown[0]["data"]["text/html"] and "rank 0" in shown[0]["data"]["text/html"]
+    assert shown[1]["data"]["text/plain"] == "[rank 0] {'r': 0}"
+    kinds = [m["msg_type"] for m in r.outputs]
+    assert kinds.index("stream") < kinds.index("display_data")   # rank 0's print before its display
+
+
+# ----------------------------------------------------------------------- errors
+def test_same_error_on_every_rank_is_shown_once_with_the_cells_lines(k):
+    r = k.run("%%on_mesh\nz = 1\n1 / 0")
+    assert r.status == "error"
+    e = r.error
+    assert e["ename"] == "ZeroDivisionError"
+    assert e["evalue"].startswith("ranks 0-3: ZeroDivisionError: division by zero")
+    tb = "\n".join(e["traceback"])
+    assert tb.count("ZeroDivisionError: division by zero") == 2   # the heading and one traceback
+    assert "on mesh>\", line 2" in tb and "1 / 0" in tb
+
+
+def test_differing_errors_each_once_and_other_ranks_results_kept(k):
+    r = k.run("%%on_mesh\nif rank == 0: raise ValueError('bad zero')\n"
+              "if rank == 1: raise KeyError('k')\nrank + 100")
+    assert r.status == "error"
+    ev = r.error["evalue"]
+    assert "rank 0: ValueError: bad zero" in ev and "rank 1: KeyError: 'k'" in ev
+    assert "_on_mesh" in ev
+    assert k.value("_on_mesh.values()[2:]") == [102, 103]
+
+
+def test_keyboard_interrupt_stops_every_rank_and_the_mesh_stays_usable(k):
+    started = threading.Event()
+
+    def on_output(msg):
+        if msg["msg_type"] == "stream" and msg["content"]["text"].count("sleeping") >= 1:
+            if not started.is_set():
+                started.set()
+                k.km.interrupt_kernel()
+
+    r = k.wait(k.submit("%%on_mesh --stream\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)"),
+               timeout=30, on_output=on_output)
+    assert r.status == "error" and r.error["ename"] == "KeyboardInterrupt"
+    assert "ranks 0-3" in r.error["evalue"] and "still usable" in r.error["evalue"]
+    assert "time.sleep(60)" in "\n".join(r.error["traceback"])
+    assert "rank 3: 3" in k.ok("%%on_mesh\nrank").result
+
+
+def test_timeout_interrupts_and_says_so(k):
+    r = k.run("%%on_mesh --timeout 0.5 --ranks 0,1\nwhile True:\n    pass")
+    assert r.status == "error" and r.error["ename"] == "KeyboardInterrupt"
+    assert "timed out after 0.5 s" in r.error["evalue"]
+    assert "rank 1: 1" in k.ok("%%on_mesh --ranks 1\nrank").result
+
+
+# ----------------------------------------------------------------------- push / pull
+def test_push_and_pull(k):
+    k.ok("w = {'lr': 0.5}\nv = 7")
+    assert "pushed w, v to ranks 0-3" in k.ok("%mesh push w v").stdout
+    k.ok("%%on_mesh\nv2 = v * rank")
+    assert "rank 3: 21" in k.ok("%mesh pull v2").result
+    k.ok("only = 1")
+    k.ok("%mesh push only --ranks 2")
+    r = k.run("%mesh pull only")
+    assert r.status == "error" and "ranks 0-1,3: NameError" in r.error["evalue"]
+    assert "rank 2: 1" in k.ok("%mesh pull only --ranks 2").result
+
+
+# ----------------------------------------------------------------------- status, list, actors
+def test_status_lists_every_rank_with_pid_state_and_actors(k):
+    k.ok("from monarch_kernel.actor import Actor, endpoint\n"
+         "class Peek(Actor):\n    @endpoint\n    def x(self):\n"
+         "        from monarch_kernel.jupyter.cells import NAMESPACE\n        return NAMESPACE['x']\n"
+         "peek = mesh.spawn('peek', Peek)")
+    assert k.value("peek.x.call().get().values()") == [0, 10, 20, 30]   # cells and actors share procs
+    r = k.ok("%mesh status")
+    lines = r.result.splitlines()
+    assert lines[0] == f"mesh '{MESH}': 4 procs (gpus=4)"
+    assert lines[1].split() == ["rank", "host", "pid", "state", "cpu", "%", "rss", "MiB", "actors"]
+    rows = [ln.split() for ln in lines[2:]]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"]
+    assert all(row[3] == "idle" and row[-1] == "peek" and row[2].isdigit() for row in rows)
+    assert "<table>" in r.data()[0]["data"]["text/html"]
+
+
+def test_list_shows_the_connected_mesh_alive(k):
+    r = k.ok("%mesh list")
+    row = next(ln.split() for ln in r.result.splitlines() if ln.startswith(MESH))
+    assert row[1] == "alive" and row[-1] == "connected"
+
+
+def test_connect_again_reuses_the_running_mesh(k):
+    r = k.ok(f"%mesh connect {MESH}")
+    assert "re-attached" in r.stdout
+    assert "rank 1: 10" in k.ok("%on_mesh x").result
+
+
+# ----------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("code,needles", [
+    ("%mesh connect --bogus", ["unrecognized arguments: --bogus", "usage: %mesh connect [NAME]"]),
+    ("%mesh frobnicate", ["unknown command 'frobnicate'", "connect", "status"]),
+    ("%mesh connect --procs 0", ["--procs must be at least 1", "usage"]),
+    ("%mesh connect --lease soon", ["bad duration 'soon'", "usage"]),
+    ("%%on_mesh --bogus\n1", ["unrecognized arguments: --bogus", "usage: %%on_mesh [--ranks SPEC]"]),
+    ("%%on_mesh --ranks 1:x\n1", ["malformed rank spec", "usage: %%on_mesh"]),
+    ("%%on_mesh --ranks 9\n1", ["rank 9 is outside the mesh: valid ranks are 0..3"]),
+    ("%%on_mesh --slice gpus=7\n1", ["gpus=7 is out of range", "valid indices 0..3"]),
+    ("%%on_mesh --slice hosts=0\n1", ["unknown dimension 'hosts'", "gpus"]),
+    ("%mesh push nope", ["no variable 'nope' in the notebook"]),
+    ("%on_mesh", ["%on_mesh needs an expression"]),
+])
+def test_bad_input_names_the_problem_and_the_mesh_stays_usable(k, code, needles):
+    r = k.run(code)
+    assert r.status == "error"
+    text = r.stderr + r.error.get("evalue", "")
+    for n in needles:
+        assert n in text, f"{n!r} not in {text!r}"
+    assert "rank 0: 0" in k.ok("%on_mesh rank").result
+
+
+def test_syntax_error_in_a_cell_points_at_the_line(k):
+    r = k.run("%%on_mesh\nx = (")
+    assert r.error["ename"] == "SyntaxError" and "ranks 0-3" in r.error["evalue"]
+    assert "x = (" in "\n".join(r.error["traceback"])

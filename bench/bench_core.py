@@ -147,7 +147,19 @@ def main():
         cold(a.n, a.torch)
     else:
         steady(a.n)
-    common.reap_leftovers(grace_s=5.0)
+    report_leftovers()
+
+
+def report_leftovers(grace_s: float = 5.0) -> None:
+    """Our own descendants still alive after shutdown (the shared reap_leftovers also counts,
+    and kills, every process of this venv, which would hit unrelated work on the machine)."""
+    left = common.own_descendants()
+    emit("procs_alive_right_after_shutdown", len(left), "count", pids=left)
+    deadline = time.time() + grace_s
+    while left and time.time() < deadline:
+        time.sleep(0.1)
+        left = common.own_descendants()
+    emit("procs_alive_after_grace", len(left), "count", pids=left)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,18 @@ The key comes from ``--key-file`` or the MONARCH_KERNEL_KEY environment variable
 """
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Start the zygote before anything else: it imports torch (about a second) while this
+    # process imports its own modules and binds its socket.
+    import os as _os
+    import subprocess as _sp
+    import sys as _sys
+
+    _EARLY_ZYGOTE = _sp.Popen([_sys.executable, "-m", "workers.zygote"], stdin=_sp.PIPE, stdout=_sp.PIPE,
+                              env={**_os.environ, "MONARCH_KERNEL_AGENT_PID": str(_os.getpid())})
+else:
+    _EARLY_ZYGOTE = None
+
 import argparse
 import functools
 import json
@@ -47,7 +59,7 @@ class Proc:
 
 
 class HostAgent:
-    def __init__(self, a):
+    def __init__(self, a, zygote: subprocess.Popen | None = None):
         self.name = a.name or f"agent-{os.getpid()}"
         self.host = socket.gethostname()
         self.bind_host = a.bind
@@ -79,7 +91,7 @@ class HostAgent:
         self.counter = 0
         self.stopping = False
         self.parent_pid = a.parent_pid
-        self.zygote = subprocess.Popen(
+        self.zygote = zygote or subprocess.Popen(
             [sys.executable, "-m", "workers.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env={**os.environ, "MONARCH_KERNEL_AGENT_PID": str(os.getpid())}, cwd=os.getcwd())
         self.zygote_ready = False
@@ -427,7 +439,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     if not a.persistent and a.lease is None:
         a.lease = 30.0  # a non-persistent agent nobody attaches to does not wait forever
-    agent = HostAgent(a)
+    agent = HostAgent(a, zygote=sys.modules["__main__"].__dict__.get("_EARLY_ZYGOTE"))
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "stopping", True))
     if a.conn_file:
         from monarch_kernel.core.connection import write_connection_file

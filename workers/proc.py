@@ -270,7 +270,7 @@ class ProcWorker:
                 self.rt.send(self.sink[0], self.sink[1], ("unhandled", value))
             return
         try:
-            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, ok, value))
+            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, ok, value), (reply_to,))
         except Exception as e:
             err = ActorError(f"the result ({type(value).__name__}) could not be sent back: {e}",
                              rank=self.rank, host=self.host, exc_type="PicklingError")

@@ -372,7 +372,7 @@ class Endpoint:
             call_id, pending = 0, None
         msg = ("call", am.id, self._name, args, kwargs, rt.address, call_id, wire.SOURCES)
         try:
-            frames = _pack_args(lambda m: rt.pack(ps.key, m), msg, args, kwargs,
+            frames = _pack_args(lambda m: rt.pack(ps.key, m, [r.work for r in refs]), msg, args, kwargs,
                                 am.endpoints.get(self._name, (False, ()))[1], what)
         except BaseException:
             if reply:

@@ -197,8 +197,11 @@ class Runtime:
             self._all_senders.append(s)
         return s
 
-    def pack(self, key: bytes, msg) -> list:
-        return self.keyring.sign(key, wire.dumps(msg))
+    def pack(self, key: bytes, msg, dests=()) -> list:
+        """Sign and pickle ``msg``. ``dests``: the addresses it will be sent to; when all are
+        on this host, large tensors may travel as same-host handles (wire.LARGE_TENSOR_HOOK)."""
+        local = len(dests) if dests and wire.LARGE_TENSOR_HOOK is not None and all(map(is_local, dests)) else 0
+        return self.keyring.sign(key, wire.dumps(msg, local))
 
     def send_frames(self, addr: str, frames: list) -> None:
         self._sender(addr).send_multipart(frames, copy=False)
@@ -539,6 +542,27 @@ def _print_output(rank: int, stream: str, text: str) -> None:
     prefix = f"[rank {rank}] "
     out.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
     out.flush()
+
+
+_LOCAL_ADDRS: dict[str, bool] = {}
+
+
+def is_local(addr: str) -> bool:
+    """Is a zmq address on this host (loopback, ipc, or one of this host's own addresses)?"""
+    r = _LOCAL_ADDRS.get(addr)
+    if r is None:
+        host = addr.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        if addr.startswith(("ipc://", "inproc://")) or host.startswith("127.") or host in ("localhost", "::1"):
+            r = True
+        else:
+            try:
+                import psutil
+
+                r = any(a.address == host for addrs in psutil.net_if_addrs().values() for a in addrs)
+            except Exception:
+                r = False
+        _LOCAL_ADDRS[addr] = r
+    return r
 
 
 _runtime: Runtime | None = None

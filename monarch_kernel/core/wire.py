@@ -17,8 +17,10 @@ import hmac
 import io
 import linecache
 import logging
+import os
 import pickle
 import sys
+import threading
 import types
 
 import cloudpickle
@@ -104,8 +106,32 @@ def _tensor_reduction(obj, t):
     torch = sys.modules.get("torch")
     if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
         if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
+            n = _LOCAL.receivers
+            if n and LARGE_TENSOR_HOOK is not None and obj.numel() * obj.element_size() >= LARGE_TENSOR_BYTES:
+                r = LARGE_TENSOR_HOOK(obj.detach().contiguous(), n)   # same host: a handle, not bytes
+                if r is not None:
+                    return r
             return _reduce_tensor(obj, torch)
     return None
+
+
+class _LocalReceivers(threading.local):
+    receivers = 0   # >0 while dumps() packs a message for that many same-host receivers
+
+
+_LOCAL = _LocalReceivers()
+LARGE_TENSOR_BYTES = int(os.environ.get("MONARCH_KERNEL_SHM_TENSOR_BYTES", str(1 << 20)))
+
+
+def _same_host_tensor(tensor, receivers: int):
+    from monarch_kernel.rdma.wirepath import reduce_local
+
+    return reduce_local(tensor, receivers)
+
+
+# (tensor, receivers) -> a pickle reduction, or None for the socket path; off with
+# MONARCH_KERNEL_SHM_TENSORS=0
+LARGE_TENSOR_HOOK = _same_host_tensor if os.environ.get("MONARCH_KERNEL_SHM_TENSORS", "1") != "0" else None
 
 
 class _FastPickler(pickle.Pickler):
@@ -158,16 +184,22 @@ class _Pickler(cloudpickle.Pickler):
 _OURS = frozenset((_none, _rebuild_tensor, _install_sources))
 
 
-def dumps(obj) -> list:
-    """Pickle ``obj``; returns ``[header, *buffers]`` (buffers as zero-copy memoryviews)."""
+def dumps(obj, local_receivers: int = 0) -> list:
+    """Pickle ``obj``; returns ``[header, *buffers]`` (buffers as zero-copy memoryviews).
+    ``local_receivers`` > 0: every receiver is on this host, so large tensors may travel
+    as handles the receivers pull from our memory (LARGE_TENSOR_HOOK)."""
     buffers: list = []
     f = io.BytesIO()
+    _LOCAL.receivers = local_receivers if LARGE_TENSOR_HOOK is not None else 0
     try:
-        _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-    except Exception:
-        buffers = []
-        f = io.BytesIO()
-        _Pickler(f, buffers).dump(obj)
+        try:
+            _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+        except Exception:
+            buffers = []
+            f = io.BytesIO()
+            _Pickler(f, buffers).dump(obj)
+    finally:
+        _LOCAL.receivers = 0
     return [f.getvalue()] + [b.raw() for b in buffers]
 
 

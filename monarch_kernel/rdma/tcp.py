@@ -28,7 +28,7 @@ from . import owner as owner_mod
 CHUNK = 8 << 20
 _REQ = struct.Struct("!4sBIQQQ16s")
 _MAGIC = b"MKRD"
-READ, WRITE, DROP, QP = 1, 2, 3, 4
+READ, WRITE, DROP, QP, RELEASE = 1, 2, 3, 4, 5
 _SOCKBUF = 4 << 20
 
 
@@ -91,10 +91,10 @@ class DataServer:
                     mine = json.dumps(ibverbs.accept(json.loads(_recv_exact(conn, n) or b"{}"))).encode()
                     conn.sendall(b"\0" + len(mine).to_bytes(4, "big") + mine)
                     continue
-                if op == DROP:   # a holder's buf.drop(): no lock held here, drop() takes its own
+                if op in (DROP, RELEASE):   # no lock held here: drop() takes its own
                     e = reg.get(slot, gen)
                     if e is not None and hmac.compare_digest(token, e.token):
-                        reg.drop(slot, gen)
+                        (reg.drop if op == DROP else reg.release)(slot, gen)
                     conn.sendall(b"\0")
                     continue
                 owner_mod.lock(fd, slot, fcntl.F_RDLCK)
@@ -188,14 +188,26 @@ def _give_back(address: str, s: socket.socket) -> None:
         _pool.setdefault(address, []).append(s)
 
 
-def drop(info: owner_mod.OwnerInfo, slot: int, gen: int, token: bytes, timeout: float) -> None:
+def drop(info: owner_mod.OwnerInfo, slot: int, gen: int, token: bytes, timeout: float,
+         op: int = DROP) -> None:
     s = _connect(info.tcp, timeout)
+    ok = False
     try:
         s.settimeout(timeout)
-        s.sendall(_REQ.pack(_MAGIC, DROP, slot, gen, 0, 0, token))
+        s.sendall(_REQ.pack(_MAGIC, op, slot, gen, 0, 0, token))
         _status(s)
+        ok = True
     finally:
-        s.close()
+        if ok:
+            s.settimeout(None)
+            _give_back(info.tcp, s)
+        else:
+            s.close()
+
+
+def release(info: owner_mod.OwnerInfo, slot: int, gen: int, token: bytes) -> None:
+    """A receiver of a same-host tensor is done with the sender's pin."""
+    drop(info, slot, gen, token, 10.0, RELEASE)
 
 
 def exchange_qp(info: owner_mod.OwnerInfo, mine: dict) -> dict:

@@ -1,0 +1,71 @@
+"""Large tensors in ordinary messages, between processes of one host: the receiver pulls
+the bytes straight from the sender's memory (process_vm_readv) instead of both sides
+pushing them through a socket.
+
+wire.py calls ``reduce_local`` for a CPU tensor of at least ``wire.LARGE_TENSOR_BYTES``
+when every receiver of the message is on this host. The sender registers the tensor as
+a transient buffer (a *pin*) expecting one release per receiver; each receiver copies
+the bytes once into a fresh tensor and releases the pin over the sender's data socket.
+A pin whose release never comes (message dropped, receiver died) is dropped after
+PIN_TTL_S; pins are memory of the sender, so nothing outlives the sender process.
+As with the zero-copy socket path, a tensor must not be changed in place while a call
+that carries it is in flight.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+from . import backends, shm, tcp
+from . import owner as owner_mod
+
+PIN_TTL_S = float(os.environ.get("MONARCH_KERNEL_PIN_TTL_S", "300"))
+_HUGE = 2 << 20
+
+
+def reduce_local(tensor, receivers: int):
+    """The pickle reduction for a large same-host tensor (None: use the socket path)."""
+    if not shm.permitted()[0] or not tensor.is_contiguous():
+        return None
+    import torch
+
+    nbytes = tensor.numel() * tensor.element_size()
+    reg = owner_mod.registry()
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    e = reg.add(tensor, None, tensor.data_ptr(), nbytes, "uint8", "cpu", True)
+    reg.pin(e, receivers, PIN_TTL_S)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    del flat
+    return _pull, (reg.info, e.slot, e.gen, e.token, e.addr, nbytes, dtype, tuple(tensor.shape),
+                   bool(tensor.requires_grad))
+
+
+def _pull(o, slot, gen, token, addr, nbytes, dtype, shape, requires_grad):
+    import torch
+
+    out = _empty(nbytes)
+    dst = torch.frombuffer(out, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    try:
+        with backends.slot_locked(o, slot, gen):
+            shm.copy(o.pid, dst.data_ptr(), addr, nbytes, False, None)
+    finally:
+        try:
+            tcp.release(o, slot, gen, token)
+        except OSError:
+            pass   # the sender is gone; its pins went with it
+    t = dst.view(getattr(torch, dtype)).reshape(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _empty(nbytes: int):
+    """Fresh memory for a received tensor, backed by huge pages where the kernel allows
+    (first-touch page faults dominate a 64 MiB copy otherwise)."""
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return m

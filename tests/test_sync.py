@@ -133,6 +133,22 @@ def test_noop_resync_sends_nothing_and_one_edit_sends_one_file(procs, ws):
     assert one.files_sent == 1 and one.changes()["modified"] == ["workspace/f7.py"]
 
 
+def test_files_travel_compressed_across_a_network(procs, ws, monkeypatch):
+    """Compression is on for remote hosts and off to loopback agents; force it on here."""
+    from monarch_kernel.sync import sender
+
+    monkeypatch.setattr(sender, "COMPRESS", "always")
+    text = "def f(x):\n    return x + 1\n" * 4000
+    (ws / "big.py").write_text(text)
+    (ws / "noise.bin").write_bytes(os.urandom(100_000))
+    report = procs.sync_workspace()
+    raw = sum(t.bytes_raw for t in report.hosts)
+    assert raw == len(text) + 100_000 and report.bytes_sent < 100_000 + len(text) // 10
+    root = Path(report.hosts[0].roots["workspace"]["root"])
+    assert (root / "big.py").read_text() == text
+    assert (root / "noise.bin").read_bytes() == (ws / "noise.bin").read_bytes()
+
+
 def test_dry_run_says_what_would_change_and_changes_nothing(procs, ws):
     (ws / "a.py").write_text("")
     procs.sync_workspace()

@@ -80,7 +80,7 @@ def _check_link(rel: str, target) -> None:
 
 class _Sync:
     __slots__ = ("dest", "root", "scope", "entries", "need", "added", "open", "written",
-                 "bytes", "problems", "index")
+                 "bytes", "problems", "index", "dirty", "tmp_n", "dirs_ok")
 
     def __init__(self, dest, root, scope, entries, index):
         self.dest, self.root, self.scope, self.entries, self.index = dest, root, scope, entries, index
@@ -90,16 +90,21 @@ class _Sync:
         self.written: list[str] = []
         self.bytes = 0
         self.problems: list[tuple[str, str]] = []
+        self.dirty = False   # the index changed: save it at commit
+        self.tmp_n = 0
+        self.dirs_ok: set = set()
 
 
 class SyncReceiver:
     def __init__(self, base: str | os.PathLike, host: str = "", agent_addr: str = ""):
         self.base = Path(base)
+        self.tmp_dir = str(self.base / ".tmp")
         self.host = host or socket.gethostname()
         self.agent_addr = agent_addr
         self.syncs: dict[str, _Sync] = {}
         self.indexes: dict[str, dict] = {}
         self.roots: dict[str, dict] = {}     # dest -> {"path", "on_path", "cwd"}: procs' set-up
+        self._setup_changed = False
         self._load_setup()
 
     # ------------------------------------------------------------------ dispatch
@@ -154,7 +159,9 @@ class SyncReceiver:
             have = index.get(rel)
             if link is not None:
                 if stat.S_ISLNK(st.st_mode) and os.readlink(path) == link:
-                    index[rel] = [0, 0, 0o777, None, link]
+                    if have != [0, 0, 0o777, None, link]:
+                        index[rel] = [0, 0, 0o777, None, link]
+                        sync.dirty = True
                 else:
                     modify.append(rel)
                 continue
@@ -172,7 +179,10 @@ class SyncReceiver:
             if got != digest:
                 modify.append(rel)
                 continue
-            index[rel] = [st.st_size, st.st_mtime_ns, mode, digest.hex(), None]
+            entry = [st.st_size, st.st_mtime_ns, mode, digest.hex(), None]
+            if have != entry:
+                index[rel] = entry
+                sync.dirty = True
             if stat.S_IMODE(st.st_mode) != mode:
                 chmod.append(rel)
         keep_set = set(keep)
@@ -181,12 +191,14 @@ class SyncReceiver:
         sync.need = set(add) | set(modify)
         sync.added = set(add)
         self.syncs[sid] = sync
+        before = json.dumps(self.roots, sort_keys=True)
         self.roots[dest] = {"path": str(root), "on_path": bool(opts.get("on_path", True)),
                             "cwd": bool(opts.get("cwd", False))}
         if opts.get("cwd"):
             for d, r in self.roots.items():
                 if d != dest:
                     r["cwd"] = False
+        self._setup_changed |= before != json.dumps(self.roots, sort_keys=True)
         return {"add": add, "modify": modify, "delete": delete, "chmod": chmod, "root": str(root),
                 "host": self.host, "agent": self.agent_addr}
 
@@ -202,20 +214,30 @@ class SyncReceiver:
             if cur is None:
                 if offset != 0:
                     raise ValueError(f"{rel!r}: chunk at offset {offset} before its start")
-                fd, tmp = _mkstemp(self.base / ".tmp")
-                cur = (os.fdopen(fd, "wb"), hashlib.sha256(), tmp, 0)
-            f, h, tmp, size = cur
+                sync.tmp_n += 1
+                tmp = os.path.join(self.tmp_dir, f"{sid}-{sync.tmp_n}")
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                except FileNotFoundError:
+                    os.makedirs(self.tmp_dir, exist_ok=True)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                except OSError as e:
+                    self._fail_write(sync, rel, e)
+                cur = (fd, hashlib.sha256(), tmp, 0)
+            fd, h, tmp, size = cur
             if offset != size:
                 self._discard(sync, rel, cur)
                 raise ValueError(f"{rel!r}: chunk at offset {offset}, expected {size}")
             try:
-                f.write(raw)
+                view = memoryview(raw)
+                while view:
+                    view = view[os.write(fd, view):]
             except OSError as e:
                 self._discard(sync, rel, cur)
                 self._fail_write(sync, rel, e)
             h.update(raw)
             n += len(raw)
-            cur = (f, h, tmp, size + len(raw))
+            cur = (fd, h, tmp, size + len(raw))
             sync.open[rel] = cur
             if final:
                 self._finish(sync, rel, cur)
@@ -223,25 +245,25 @@ class SyncReceiver:
         return n
 
     def _finish(self, sync: _Sync, rel: str, cur) -> None:
-        f, h, tmp, size = cur
+        fd, h, tmp, size = cur
         del sync.open[rel]
-        try:
-            f.close()
-        except OSError as e:
-            _unlink(tmp)
-            self._fail_write(sync, rel, e)
         _, want_size, mode, digest, link = sync.entries[rel]
-        if link is not None:
+        if link is not None or h.digest() != digest or size != want_size:
+            os.close(fd)
             _unlink(tmp)
-            return
-        if h.digest() != digest or size != want_size:
-            _unlink(tmp)
-            sync.problems.append((rel, "changed while it was being synced; sync again"))
+            if link is None:
+                sync.problems.append((rel, "changed while it was being synced; sync again"))
             return
         try:
+            os.fchmod(fd, mode)
+            st = os.fstat(fd)          # a rename keeps size and mtime
+            os.close(fd)
             dest = self._target(sync, rel)
-            os.chmod(tmp, mode)
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except IsADirectoryError:
+                shutil.rmtree(dest)    # a folder where a file now goes
+                os.replace(tmp, dest)
         except SyncRefused:
             _unlink(tmp)
             raise
@@ -250,15 +272,17 @@ class SyncReceiver:
             self._fail_write(sync, rel, e)
         if rel.endswith(".py") and rel not in sync.added:
             _drop_pyc(dest)   # a same-second, same-size edit would otherwise keep a stale .pyc
-        st = os.lstat(dest)
         sync.index[rel] = [st.st_size, st.st_mtime_ns, mode, digest.hex(), None]
         sync.written.append(rel)
 
     def _target(self, sync: _Sync, rel: str) -> str:
         """The absolute path for ``rel``, after making its folder; refuses a parent folder
-        that is (or passes through) a symlink leaving the root."""
+        that is (or passes through) a symlink leaving the root. Checked once per folder
+        per sync."""
         dest = sync.root / rel
         parent = dest.parent
+        if parent in sync.dirs_ok:
+            return str(dest)
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -274,8 +298,7 @@ class SyncReceiver:
         if real_parent != real_root and not real_parent.startswith(real_root + os.sep):
             raise SyncRefused(f"refused: {rel!r} would be written through a symlink to {real_parent}, "
                               "outside the destination")
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)                      # a folder where a file now goes
+        sync.dirs_ok.add(parent)
         return str(dest)
 
     def _fail_write(self, sync: _Sync, rel: str, e: OSError):
@@ -292,7 +315,7 @@ class SyncReceiver:
     def _discard(self, sync, rel, cur):
         sync.open.pop(rel, None)
         try:
-            cur[0].close()
+            os.close(cur[0])
         except OSError:
             pass
         _unlink(cur[2])
@@ -340,8 +363,11 @@ class SyncReceiver:
                     _prune_dirs(p.parent, sync.root)
                 del index[rel]
                 deleted.append(rel)
-        self._save_index(sync.dest, index)
-        self._save_setup()
+        if sync.dirty or sync.written or deleted or chmodded:
+            self._save_index(sync.dest, index)
+        if self._setup_changed:
+            self._save_setup()
+            self._setup_changed = False
         written = set(sync.written)
         return {"host": self.host, "root": str(sync.root),
                 "added": sorted(written & sync.added), "modified": sorted(written - sync.added),
@@ -397,13 +423,6 @@ class SyncReceiver:
 
 def _in_scope(rel: str, scope: str) -> bool:
     return not scope or rel == scope or rel.startswith(scope + "/")
-
-
-def _mkstemp(folder: Path):
-    import tempfile
-
-    folder.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkstemp(dir=folder, prefix="part-")
 
 
 def _write_json(path: Path, obj) -> None:

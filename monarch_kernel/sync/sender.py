@@ -10,6 +10,7 @@ I/O thread carries the messages.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import os
 import uuid
 import zlib
@@ -25,6 +26,7 @@ CHUNK = 1 << 20
 WINDOW = 8
 PLAN_TIMEOUT_S = 60.0
 PUT_TIMEOUT_S = 60.0
+COMPRESS = os.environ.get("MONARCH_KERNEL_SYNC_COMPRESS", "auto")   # auto | always | never
 INCOMPRESSIBLE = frozenset(
     ".gz .tgz .bz2 .xz .zst .zip .whl .jar .7z .png .jpg .jpeg .gif .webp .mp4 .mp3 .pt .pth .ckpt "
     ".safetensors .npz .so .pyd .dylib .bin .parquet .onnx".split())
@@ -60,6 +62,22 @@ class Progress:
     files_total: int
     bytes_done: int
     bytes_total: int
+
+
+def should_compress(targets: list[HostTarget]) -> bool:
+    """zlib costs CPU on both ends and saves bandwidth: worth it across a network, not to an
+    agent on this machine's loopback (``auto``); MONARCH_KERNEL_SYNC_COMPRESS overrides."""
+    if COMPRESS in ("always", "never"):
+        return COMPRESS == "always"
+    for t in targets:
+        host = t.addr.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return True
+        except ValueError:
+            if host != "localhost":
+                return True
+    return False
 
 
 def _lost(t: HostTarget) -> bool:
@@ -125,7 +143,7 @@ def _stream(root: str, entries: list[Entry], group: list[HostTarget], sid: str, 
             total_bytes: int, done: list, progress, dest: str) -> None:
     rt = runtime()
     windows = {t.addr: collections.deque() for t in group}
-    for pieces, raw, files in _batches(root, entries):
+    for pieces, raw, files in _batches(root, entries, should_compress(group)):
         wire_bytes = sum(len(p[2]) for p in pieces)
         for t in group:
             if not t.ok:
@@ -161,7 +179,7 @@ def _wait(t: HostTarget, fut) -> None:
         t.fail(e)
 
 
-def _batches(root: str, entries: list[Entry]):
+def _batches(root: str, entries: list[Entry], compress_all: bool = True):
     """Yield (pieces, raw bytes, files completed); a piece is (path, offset, data, codec,
     final), codec 1 = zlib, 0 = raw."""
     pieces, raw, files = [], 0, 0
@@ -175,7 +193,7 @@ def _batches(root: str, entries: list[Entry]):
         except OSError:
             continue   # vanished since the walk; the receiver keeps its copy and reports it
         with f:
-            compress = os.path.splitext(e.path)[1].lower() not in INCOMPRESSIBLE
+            compress = compress_all and os.path.splitext(e.path)[1].lower() not in INCOMPRESSIBLE
             offset = 0
             while True:
                 data = f.read(CHUNK)

@@ -15,7 +15,7 @@ from ..core.mesh import ProcMesh
 from .display import Table, rank_ranges
 from .magics import mesh_command, mesh_parser
 from .on_mesh import select
-from .session import CELL_ACTOR, default_mesh_name, parse_duration
+from .session import CELL_ACTOR, _pid_alive, default_mesh_name, parse_duration
 
 
 def _per_host(text: str) -> dict:
@@ -154,15 +154,15 @@ LIST = mesh_parser("list", "meshes known on this machine and whether their agent
 def list_(ctx, args):
     here = socket.gethostname()
     rows = []
-    for name, info, alive in list_meshes():
+    for name, info, _ in list_meshes():
         agents = info.get("agents", [])
-        pids = ", ".join(str(a.get("pid")) for a in agents if a.get("host") == here) or "-"
-        lease = info.get("lease")
+        local = [a for a in agents if a.get("host") == here and a.get("pid")]
+        alive = all(_pid_alive(a["pid"]) for a in local)   # a zombie agent is gone too
+        pids = ", ".join(str(a["pid"]) for a in local) or "-"
         mark = "connected" if name == ctx.session.name and ctx.session.procs is not None else ""
-        rows.append([name, "alive" if alive else "gone", len(agents), pids,
-                     "-" if lease is None else f"{lease:g} s", mark])
+        rows.append([name, "alive" if alive else "gone", len(agents), pids, mark])
     note = "" if rows else "no meshes: `%mesh connect` starts one"
-    return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", "lease", ""], rows, note)
+    return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", ""], rows, note)
 
 
 # ----------------------------------------------------------------------- disconnect / stop

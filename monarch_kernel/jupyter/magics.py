@@ -339,6 +339,10 @@ def load_ipython_extension(ipython) -> None:
         _ROUTER = OutputRouter(ipython)
     _ROUTER.install(runtime())
     _SHELL = ipython
+    if not hasattr(ipython, "_last_traceback"):
+        # ipykernel 7 reads it after any error; a UsageError (our bad-input reports) as the
+        # first error of a kernel would otherwise crash the execute_request (no reply).
+        ipython._last_traceback = None
     _MAGICS = MeshMagics(ipython, _ROUTER)
     ipython.register_magics(_MAGICS)
     if rewrite_on_mesh_cell not in ipython.input_transformers_cleanup:

@@ -190,20 +190,32 @@ def host_alive(hm: HostMesh | None) -> bool:
     """The host mesh's local agent still runs and its link is not declared lost."""
     if hm is None or hm._detached:
         return False
+    proc = getattr(hm, "_process", None)
+    if proc is not None and proc.poll() is not None:   # our child: poll() also reaps it
+        return False
     rt = runtime()
     for a in hm._agents:
         link = rt.agents.get(a["addr"])
         if link is not None and link.lost:
             return False
         pid = a.get("pid")
-        if pid and a.get("host") in (None, *hm.hosts):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
+        if pid and a.get("host") in hm.hosts and not _pid_alive(pid):
+            return False
     return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def set_lease(hm: HostMesh, seconds: float) -> None:

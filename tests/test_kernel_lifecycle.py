@@ -1,0 +1,110 @@
+"""The mesh outlives the kernel: restart and re-attach, disconnect, a dead agent, the
+default name and the prewarmed agent. Real kernels (jupyter_client), real meshes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from kernel_harness import KernelHarness
+
+NOTEBOOK = "/work/some dir/train model.ipynb"
+
+
+@pytest.fixture(scope="module")
+def k():
+    # A prewarming kernel that knows its notebook, as under jupyter_server.
+    h = KernelHarness(prewarm=True, env={"JPY_SESSION_NAME": NOTEBOOK})
+    try:
+        yield h
+    finally:
+        h.close(stop_meshes=(default_name(),))
+
+
+def default_name() -> str:
+    from monarch_kernel.jupyter import session
+
+    old = os.environ.get("JPY_SESSION_NAME")
+    os.environ["JPY_SESSION_NAME"] = NOTEBOOK
+    try:
+        return session.default_mesh_name()
+    finally:
+        if old is None:
+            del os.environ["JPY_SESSION_NAME"]
+        else:
+            os.environ["JPY_SESSION_NAME"] = old
+
+
+def test_default_name_comes_from_the_notebook_and_the_agent_is_prewarmed(k):
+    name = default_name()
+    assert name.startswith("train-model-") and len(name) == len("train-model-") + 6
+    deadline = time.monotonic() + 30   # the kernel starts the agent in the background
+    while not os.path.exists(os.path.join(k.home, "meshes", f"{name}.json")):
+        assert time.monotonic() < deadline, "no prewarmed agent"
+        time.sleep(0.1)
+    r = k.ok("%mesh connect --procs 2", timeout=120)
+    assert f"mesh '{name}': 2 procs (gpus=2) started" in r.stdout
+    # the widget progress bar was shown while the procs started
+    assert any("IntProgress" in d["data"]["text/plain"] for d in r.data("display_data"))
+
+
+def test_restart_reattaches_with_namespaces_and_actors_kept(k):
+    k.ok("%%on_mesh\nkept = f'state of rank {rank}'")
+    k.ok("from monarch_kernel.actor import Actor, endpoint\n"
+         "class Counter(Actor):\n    def __init__(self):\n        self.n = 0\n"
+         "    @endpoint\n    def incr(self):\n        self.n += 1\n        return self.n\n"
+         "c = mesh.spawn('counter', Counter)\nc.incr.call().get()")
+    k.restart()
+    r = k.run("%%on_mesh\n1")   # a new kernel: nothing connected until the connect cell runs
+    assert r.status == "error" and "run `%mesh connect` first" in r.stderr
+    r = k.ok("%mesh connect --procs 2")
+    assert "re-attached (namespaces and actors kept)" in r.stdout
+    assert "rank 1: 'state of rank 1'" in k.ok("%on_mesh kept").result
+    assert k.value("mesh.actor_mesh('counter').incr.call().get().values()") == [2, 2]
+
+
+def test_disconnect_leaves_it_running_and_connect_reattaches(k):
+    r = k.ok("%mesh disconnect")
+    assert "keeps running" in r.stdout
+    r = k.run("%%on_mesh\nrank")
+    assert r.status == "error" and "no mesh is connected" in r.stderr and "%mesh connect" in r.stderr
+    assert "alive" in k.ok("%mesh list").result
+    assert "re-attached" in k.ok("%mesh connect").stdout
+    assert "rank 0: 'state of rank 0'" in k.ok("%on_mesh kept").result
+
+
+def test_connect_with_another_size_names_the_running_one(k):
+    r = k.run("%mesh connect --procs 3")
+    assert r.status == "error" and "already runs with gpus=2" in r.stderr and "%mesh stop" in r.stderr
+
+
+def test_a_mesh_whose_agent_is_gone_says_so_and_connect_starts_a_new_one(k):
+    name = default_name()
+    with open(os.path.join(k.home, "meshes", f"{name}.json")) as f:
+        pid = json.load(f)["agents"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = k.run("%%on_mesh\nrank")
+    assert r.status == "error"
+    assert f"mesh '{name}' is gone" in r.stderr and f"`%mesh connect {name}`" in r.stderr
+    assert "gone" in k.ok("%mesh list").result.split(name)[1].splitlines()[0]
+    r = k.ok("%mesh connect --procs 2", timeout=120)
+    assert "started" in r.stdout
+    assert "rank 1: 1" in k.ok("%on_mesh rank").result
+    assert "rank 1: False" in k.ok("%on_mesh 'kept' in globals()").result
+
+
+def test_stop_ends_procs_and_agent(k):
+    name = default_name()
+    assert f"mesh '{name}' stopped" in k.ok("%mesh stop").stdout
+    assert not os.path.exists(os.path.join(k.home, "meshes", f"{name}.json"))
+    r = k.run("%%on_mesh\n1")
+    assert "no mesh is connected" in r.stderr
+    r = k.run(f"%mesh stop {name}")
+    assert r.status == "error" and f"no mesh named '{name}'" in r.stderr + r.error.get("evalue", "")
+    k.ok("%mesh connect --procs 2", timeout=120)   # left for the fixture's teardown to stop

@@ -68,6 +68,8 @@ class ForwardingStream(io.TextIOBase):
         return len(s)
 
     def flush(self):
+        if not self._buf:
+            return
         with self._lock:
             text = "".join(self._buf)
             self._buf = []

@@ -359,7 +359,7 @@ class Endpoint:
         am = self._mesh._state
         ps = am.proc_state
         rt = runtime()
-        if rt.role == "controller":
+        if rt._unhandled and rt.role == "controller":
             rt.raise_unhandled()
         if am.stopped:
             raise MeshGoneError(f"actor mesh '{am.name}' was stopped")
@@ -372,11 +372,11 @@ class Endpoint:
             call_id, pending = 0, None
         msg = ("call", am.id, self._name, args, kwargs, rt.address, call_id, wire.SOURCES)
         try:
-            frames = _pack_args(lambda m: rt.pack(ps.key, m, [r.work for r in refs]), msg, args, kwargs,
-                                am.endpoints.get(self._name, (False, ()))[1], what)
-        except BaseException:
+            frames = rt.pack(ps.key, msg, [r.work for r in refs])
+        except BaseException as e:
             if reply:
                 rt.abandon(call_id)
+            _explain_unpicklable(e, args, kwargs, am.endpoints.get(self._name, (False, ()))[1], what)
             raise
         for ref in refs:
             rt.send_frames(ref.work, frames)
@@ -454,18 +454,21 @@ def _pack_args(pack, msg, args, kwargs, params, what):
     try:
         return pack(msg)
     except Exception as e:
-        for i, a in enumerate(args):
-            if not _picklable(a):
-                name = params[i] if i < len(params) else f"#{i}"
-                raise TypeError(f"{what}: argument {name!r} ({type(a).__module__}.{type(a).__qualname__}) "
-                                f"cannot be sent to the mesh: it cannot be pickled ({e}). Send plain data, "
-                                "tensors, or picklable objects instead") from None
-        for k, v in kwargs.items():
-            if not _picklable(v):
-                raise TypeError(f"{what}: argument {k!r} ({type(v).__module__}.{type(v).__qualname__}) "
-                                f"cannot be sent to the mesh: it cannot be pickled ({e}). Send plain data, "
-                                "tensors, or picklable objects instead") from None
-        raise TypeError(f"{what}: the message cannot be pickled: {e}") from e
+        _explain_unpicklable(e, args, kwargs, params, what)
+        raise
+
+
+def _explain_unpicklable(e: BaseException, args, kwargs, params, what) -> None:
+    """After pickling failed: raise a TypeError naming the argument to blame and its type."""
+    if not isinstance(e, Exception):
+        return
+    named = [(params[i] if i < len(params) else f"#{i}", a) for i, a in enumerate(args)]
+    for name, value in [*named, *kwargs.items()]:
+        if not _picklable(value):
+            raise TypeError(f"{what}: argument {name!r} ({type(value).__module__}.{type(value).__qualname__}) "
+                            f"cannot be sent to the mesh: it cannot be pickled ({e}). Send plain data, "
+                            "tensors, or picklable objects instead") from None
+    raise TypeError(f"{what}: the message cannot be pickled: {e}") from e
 
 
 def _picklable(obj) -> bool:

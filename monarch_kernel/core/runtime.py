@@ -204,10 +204,13 @@ class Runtime:
         return self.keyring.sign(key, wire.dumps(msg, local))
 
     def send_frames(self, addr: str, frames: list) -> None:
-        self._sender(addr).send_multipart(frames, copy=False)
+        if len(frames) == 1:
+            self._sender(addr).send(frames[0])   # small header: a copy beats a zero-copy Frame
+        else:
+            self._sender(addr).send_multipart(frames, copy=False)
 
     def send(self, addr: str, key: bytes, msg) -> None:
-        self._sender(addr).send_multipart(self.pack(key, msg), copy=False)
+        self.send_frames(addr, self.pack(key, msg))
 
     def new_call(self, keys: list[str], extent, mode: str, what: str) -> tuple[int, PendingCall]:
         call_id = next(self._ids)

@@ -1,10 +1,10 @@
 """Wire format: authenticated, pickle-5 messages with out-of-band buffers.
 
-A message on a socket is the frames ``[key_id, signature, header, *buffers]``:
+A message on a socket is the frames ``[key_id + signature + header, *buffers]``:
   * ``header`` is a cloudpickle (protocol 5) of the message tuple; large buffers
     (tensors, numpy arrays, bytes-like) travel as separate frames, zero-copy;
-  * ``signature`` is HMAC-SHA256 over the header and the buffer lengths, with the mesh
-    key named by ``key_id``. A message whose signature does not verify is dropped and
+  * ``signature`` is a keyed BLAKE2b MAC over the header and the buffer lengths, with the
+    mesh key named by ``key_id``. A message whose signature does not verify is dropped and
     logged before anything is unpickled.
 CPU tensors are sent as raw bytes plus dtype and shape; the receiver rebuilds them on
 the received frame's memory, without a copy, and writable.
@@ -227,11 +227,17 @@ def loads(header, buffers=()):
     return pickle.loads(header, buffers=buffers)
 
 
+MAC_SIZE = 16
+_PREFIX = 8 + MAC_SIZE   # key id + MAC, in front of the header
+
+
 def _digest(key: bytes, header, buffers) -> bytes:
+    """Keyed BLAKE2b (a MAC by design, 4x cheaper than HMAC-SHA256 on small messages) over
+    the header and the lengths of the out-of-band buffers."""
+    h = hashlib.blake2b(header, key=key, digest_size=MAC_SIZE)
     if buffers:
-        lens = b"".join(len(b).to_bytes(8, "little") for b in buffers)
-        return hmac.digest(key, bytes(header) + lens, "sha256")
-    return hmac.digest(key, header, "sha256")
+        h.update(b"".join(len(b).to_bytes(8, "little") for b in buffers))
+    return h.digest()
 
 
 def key_id(key: bytes) -> bytes:
@@ -255,7 +261,7 @@ class Keyring:
 
     def sign(self, key: bytes, frames: list) -> list:
         """``frames`` = [header, *buffers] -> the frames to send: the first is
-        ``key id (8) + signature (32) + header``."""
+        ``key id (8) + MAC (16) + header``."""
         kid = self._ids.get(key) or self.add(key)
         header = frames[0]
         return [b"".join((kid, _digest(key, header, frames[1:]), header)), *frames[1:]]
@@ -265,11 +271,11 @@ class Keyring:
         None after logging when it is malformed or not signed with a trusted key."""
         first = frames[0] if frames else b""
         first = first.buffer if hasattr(first, "buffer") else memoryview(first)
-        if len(first) < 41:
+        if len(first) <= _PREFIX:
             log.warning("dropped a malformed message on %s (%d frame(s), %d bytes)", where, len(frames),
                         len(first))
             return None
-        kid, sig, header = bytes(first[:8]), bytes(first[8:40]), first[40:]
+        kid, sig, header = bytes(first[:8]), bytes(first[8:_PREFIX]), first[_PREFIX:]
         key = self._keys.get(kid)
         bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
         if key is None or not hmac.compare_digest(sig, _digest(key, header, bufs)):

@@ -111,16 +111,12 @@ def reload_changed(changes: list[dict]) -> dict:
     """Reload the loaded modules whose source file is one of ``changes`` (per root:
     ``src`` and ``dest`` folders, ``modified`` and ``deleted`` relative paths)."""
     importlib.invalidate_caches()
-    targets: dict[str, str] = {}
-    gone: dict[str, str] = {}
-    names = set()
+    bases, names = [], set()
     for ch in changes:
-        for kind, out in (("modified", targets), ("deleted", gone)):
-            for rel in ch.get(kind, ()):
-                names.add(rel.rsplit("/", 1)[-1])
-                for base in (ch["dest"], ch.get("src")):
-                    if base:
-                        out[os.path.realpath(os.path.join(base, rel))] = rel
+        modified, deleted = set(ch.get("modified", ())), set(ch.get("deleted", ()))
+        names.update(rel.rsplit("/", 1)[-1] for rel in modified | deleted)
+        for base in {ch["dest"], ch.get("src")} - {None}:
+            bases.append((os.path.realpath(base) + os.sep, modified, deleted))
     reloaded, failed, restart, left = [], {}, [], []
     if not names:
         return {"reloaded": reloaded, "failed": failed, "needs_restart": restart, "deleted_loaded": left}
@@ -133,13 +129,19 @@ def reload_changed(changes: list[dict]) -> dict:
         if name.partition(".")[0] in stdlib:
             continue
         real = os.path.realpath(f)
-        if real in gone:
-            left.append(name)
-        elif real in targets:
-            if not f.endswith(".py"):
-                restart.append(name)
-            else:
+        for prefix, modified, deleted in bases:
+            if not real.startswith(prefix):
+                continue
+            rel = real[len(prefix):].replace(os.sep, "/")
+            if rel in deleted:
+                left.append(name)
+            elif rel in modified and f.endswith(".py"):
                 todo.append((name, mod))
+            elif rel in modified:
+                restart.append(name)    # a compiled extension: cannot be reloaded
+            else:
+                continue
+            break
     for name, mod in todo:   # sys.modules order: import order, dependencies first
         try:
             reload_in_place(mod)

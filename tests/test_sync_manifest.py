@@ -7,7 +7,7 @@ import pytest
 
 from monarch_kernel.sync import SyncTooLarge, resolve_roots
 from monarch_kernel.sync.manifest import HashCache, build_manifest
-from monarch_kernel.sync.receiver import SyncRefused, check_rel
+from monarch_kernel.sync.paths import SyncRefused, check_rel
 
 
 def _tree(root, files: dict):

@@ -8,7 +8,7 @@ Per host, not per proc; content-hashed; only what a host lacks travels. See
 ``workspace.py`` for where files land, ``reload.py`` for what happens to live actors.
 """
 from .manifest import DEFAULT_EXCLUDES, SyncTooLarge
-from .receiver import SyncRefused, SyncWriteError
+from .paths import SyncRefused, SyncWriteError
 from .sender import Progress
 from .workspace import SyncError, SyncReport, resolve_roots, sync_workspace
 

@@ -160,6 +160,10 @@ class SyncReceiver:
         sync.need = set(add) | set(modify)
         sync.added = set(add)
         self.syncs[sid] = sync
+        if opts.get("dry_run"):
+            del self.syncs[sid]
+            return {"add": add, "modify": modify, "delete": delete, "chmod": chmod, "root": str(root),
+                    "host": self.host, "agent": self.agent_addr}
         before = json.dumps(self.roots, sort_keys=True)
         self.roots[dest] = {"path": str(root), "on_path": bool(opts.get("on_path", True)),
                             "cwd": bool(opts.get("cwd", False))}

@@ -98,7 +98,7 @@ def push_root(targets: list[HostTarget], dest: str, manifest: Manifest, opts: di
             t.fail(f"host agent {t.addr} is unreachable")
             continue
         futs.append((t, rt.agent_request(t.addr, t.key, "sync_plan", sid, dest, manifest.scope,
-                                         entries, manifest.keep, opts)))
+                                         entries, manifest.keep, {**opts, "dry_run": dry_run})))
     plans = {}
     for t, f in futs:
         try:
@@ -112,7 +112,6 @@ def push_root(targets: list[HostTarget], dest: str, manifest: Manifest, opts: di
                 p = plans[t.addr]
                 t.roots[dest] = {"root": p["root"], "added": p["add"], "modified": p["modify"],
                                  "deleted": p["delete"], "chmod": p["chmod"], "bytes": 0, "problems": []}
-                rt.agent_request(t.addr, t.key, "sync_abort", sid)
         return
     by_rel = {e.path: e for e in manifest.entries}
     groups: dict[tuple, list[HostTarget]] = collections.defaultdict(list)

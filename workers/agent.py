@@ -195,9 +195,10 @@ class HostAgent:
                         now - self.controller_seen)
             self._detach()
         if self.controller is None:
+            # A silent controller may only be busy (holding its GIL): it gets the lease to come
+            # back. A private agent's controller that is really gone is caught above by pid.
             idle_since = self.controller_seen if self.had_controller else self.started
-            limit = self.lease if self.persistent or not self.had_controller else 0.0
-            if self.lease is not None and now - idle_since > limit:
+            if self.lease is not None and now - idle_since > self.lease:
                 log.warning("no controller for %.0f s: the lease is over, stopping", now - idle_since)
                 self.stopping = True
 

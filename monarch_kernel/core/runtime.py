@@ -131,6 +131,7 @@ class AgentLink:
         self.requests: dict[int, Future] = {}
         self.last_seen = time.monotonic()
         self.last_hb_sent = 0.0
+        self.unanswered = 0    # heartbeats sent since the agent was last heard
         self.watched = False   # heartbeat it and declare it lost on silence
         self.lost = False
 
@@ -179,6 +180,12 @@ class Runtime:
         self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
         self.replace_listeners: list[Callable[[str, ProcRef], None]] = []
         self.mesh_states: dict = {}   # proc mesh id -> ProcMeshState known here
+        # The debugger's console (issue 5): a thread blocked in Future.get() runs
+        # ``wait_hook[1]()`` when it is that hook's thread (``wait_hook[0]``, a thread ident)
+        # and a handler set ``wait_hook_due``. It runs inside get(), with the inbox handed back
+        # to the I/O thread, so it may block (input()) and wait on other futures.
+        self.wait_hook: tuple[int, Callable[[], None]] | None = None
+        self.wait_hook_due = False
         self._thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._thread.start()
 
@@ -291,6 +298,10 @@ class Runtime:
                     finally:
                         self._inbox_holder = None
                         self._inbox_lock.release()
+                    hook = self.wait_hook
+                    if self.wait_hook_due and hook is not None and hook[0] == me and fut._state is _PENDING_STATE:
+                        self._run_wait_hook(hook[1])
+                        continue
                     return
                 holder = self._inbox_holder
                 if holder == self._thread.ident:
@@ -302,10 +313,26 @@ class Runtime:
                 self._inbox_wanted -= 1
             self._inbox_released_at = time.monotonic()
 
+    def _run_wait_hook(self, fn: Callable[[], None]) -> None:
+        """Run the wait hook with the inbox left to the I/O thread (see ``wait_hook``)."""
+        self.wait_hook_due = False
+        with self._want_lock:
+            self._inbox_wanted -= 1
+        self._inbox_released_at = time.monotonic()
+        try:
+            fn()
+        finally:
+            with self._want_lock:
+                self._inbox_wanted += 1
+
     def _pump(self, fut: Future, deadline, timeout) -> None:
         inbox, opener, dispatch, recv = self.inbox, self.keyring.open, self._dispatch, wire.recv_message
         events, POLLIN = zmq.EVENTS, zmq.POLLIN
+        hook = self.wait_hook
+        mine = hook is not None and hook[0] == threading.get_ident()
         while fut._state is _PENDING_STATE:
+            if mine and self.wait_hook_due:
+                return
             if not inbox.getsockopt(events) & POLLIN:
                 if deadline is None:
                     ms = -1
@@ -483,6 +510,7 @@ class Runtime:
             except zmq.Again:
                 return
             link.last_seen = time.monotonic()
+            link.unanswered = 0
             msg = self.keyring.open(frames, f"agent {link.addr}")
             if msg is None or type(msg) is not tuple:
                 continue
@@ -508,8 +536,11 @@ class Runtime:
                 continue
             if now - link.last_hb_sent >= HEARTBEAT_S:
                 link.last_hb_sent = now
+                link.unanswered += 1
                 link.sock.send_multipart(self.pack(link.key, ("req", 0, "hb", (self.address,))), copy=False)
-            if now - link.last_seen > HOST_TIMEOUT_S:
+            # Silence counts only if we really asked: an I/O thread starved of the GIL (a long
+            # pickle on the main thread) sent no heartbeats and must not declare a host lost.
+            if now - link.last_seen > HOST_TIMEOUT_S and link.unanswered >= 4:
                 link.lost = True
                 self._host_lost(link, now - link.last_seen)
 

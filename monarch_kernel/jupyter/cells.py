@@ -142,6 +142,9 @@ class CellRunner(Actor):
         return NAMESPACE[name]
 
     def _failure(self, e: BaseException, filename: str) -> CellFailure:
+        from monarch_kernel.debug.worker import post_mortem
+
+        post_mortem(e)   # `%mesh debug --post-mortem on`: stop in the debugger at the raise first
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != filename:
             tb = tb.tb_next

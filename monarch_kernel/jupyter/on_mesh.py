@@ -103,7 +103,7 @@ class _Run:
             except TimeoutError:
                 pass
             except KeyboardInterrupt:
-                self.interrupt("interrupted")
+                self.interrupt("was interrupted")
                 continue
             if self.gave_up():
                 return self._unstoppable()
@@ -121,7 +121,7 @@ class _Run:
             try:
                 await asyncio.wait([done], timeout=TICK_S)
             except asyncio.CancelledError:   # the kernel's interrupt, in an async cell
-                self.interrupt("interrupted")
+                self.interrupt("was interrupted")
                 continue
             if self.future.done():
                 break
@@ -167,9 +167,9 @@ def outcome(run: _Run, values) -> CellValues:
     gs = [(ranks, t, m, tb) for (t, m), (ranks, tb) in ordered]
     failed = {r for g in gs for r in g[0]}
     ok = [r for r in run.ranks if r not in failed]
-    note = f"the other ranks' values are in `_on_mesh` ({rank_list(ok)})" if ok else ""
+    note = f"the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""
     if run.interrupted_at is not None:
-        note = f"{run.what} was {run.reason} on every rank; the mesh is still usable" + (
+        note = f"{run.what} {run.reason} on every rank; the mesh is still usable" + (
             f"; {note}" if note else "")
         raise cell_error(gs, result, note, base=CellInterrupted)
     raise cell_error(gs, result, note)

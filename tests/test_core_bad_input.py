@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import types
 
 import cloudpickle
 import pytest
@@ -39,6 +40,18 @@ class Echo(Actor):
     @endpoint
     def give_lock(self):
         return threading.Lock()
+
+    @endpoint
+    def give_foreign(self):
+        """An object of a class the controller cannot import."""
+        mod = types.ModuleType("only_on_the_worker")
+        exec("class Thing:\n    pass\n", mod.__dict__)
+        sys.modules["only_on_the_worker"] = mod
+        return mod.Thing()
+
+    @endpoint
+    def type_name(self, x) -> str:
+        return type(x).__name__
 
 
 class NotAnActor:
@@ -96,7 +109,7 @@ def test_call_one_on_a_mesh_of_several(echo):
 
 def test_an_endpoint_that_does_not_exist(echo):
     with pytest.raises(AttributeError, match=r"actor mesh 'echo' \(Echo\) has no endpoint 'ecko'; its endpoints "
-                                             r"are: echo, give_lock, store"):
+                                             r"are: echo, give_foreign, give_lock, store, type_name"):
         echo.ecko.call(1)
     with pytest.raises(TypeError, match=r"call an endpoint with an adverb: echo\.call\(\.\.\.\)"):
         echo.echo(1)
@@ -130,6 +143,34 @@ def test_an_init_argument_that_cannot_be_pickled(procs, echo):
 def test_a_result_that_cannot_be_pickled(echo):
     with pytest.raises(ActorError, match=r"the result \(lock\) could not be sent back"):
         echo.slice(gpus=0).give_lock.call_one().get(30)
+
+
+def test_a_result_the_controller_cannot_unpickle_fails_the_call(echo):
+    with pytest.raises(ActorError, match=r"the result could not be unpickled here: ModuleNotFoundError\(\"No "
+                                         r"module named 'only_on_the_worker'"):
+        echo.give_foreign.call().get(10)
+    with pytest.raises(ActorError, match="only_on_the_worker"):
+        echo.slice(gpus=0).give_foreign.call_one().get(10)
+
+
+def _controller_only_thing():
+    mod = types.ModuleType("only_on_the_controller")
+    exec("class Thing:\n    pass\n", mod.__dict__)
+    sys.modules["only_on_the_controller"] = mod
+    return mod.Thing()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a proc drops a call whose arguments fail to unpickle (wire.LoadFailure) "
+                   "without answering, so the caller waits forever; the proc should reply with the error")
+def test_an_argument_the_worker_cannot_unpickle_fails_the_call(echo):
+    """E.g. an object of a local module not (yet) synced to the workers."""
+    thing = _controller_only_thing()
+    try:
+        with pytest.raises(ActorError, match=r"could not be unpickled on this worker: ModuleNotFoundError"
+                                             r".*only_on_the_controller"):
+            echo.type_name.call(thing).get(3)
+    finally:
+        del sys.modules["only_on_the_controller"]
 
 
 def test_spawning_something_that_is_not_an_actor(procs, echo):

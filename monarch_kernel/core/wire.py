@@ -286,14 +286,52 @@ class Keyring:
             return loads(header, bufs)
         except Exception as e:  # a verified message that fails to load: report, don't crash
             log.error("dropped a message on %s that failed to unpickle: %r", where, e)
-            return LoadFailure(e)
+            partial = _lenient_loads(header, bufs)
+            if type(partial) is tuple and len(partial) == 5 and partial[0] == "r":
+                # A reply whose value cannot be loaded here: fail that call, don't leave it waiting.
+                from .errors import ActorError
+
+                return partial[:3] + (False, ActorError(
+                    f"the result could not be unpickled here: {e!r}. Return plain data, or make its "
+                    "module importable on this side", exc_type=type(e).__name__),)
+            return LoadFailure(e, partial)
 
 
 class LoadFailure:
     """A verified message that could not be unpickled here (e.g. a class this worker
-    cannot import). The receiver answers the sender with this error when it can."""
+    cannot import). ``partial`` is the message loaded with placeholders for the globals
+    that could not be found (None when even that fails), so the receiver can answer the
+    sender with this error instead of leaving it waiting."""
 
-    def __init__(self, error: BaseException):
+    def __init__(self, error: BaseException, partial=None):
         self.error = error
+        self.partial = partial
+
+
+class _Missing:
+    """Stands in for a global that cannot be imported here (see _lenient_loads)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+class _LenientUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except Exception:
+            return _Missing
+
+
+def _lenient_loads(header, buffers):
+    """Load a message that failed to load, with _Missing for what cannot be imported, just
+    to learn who to answer. Only on the failure path; None if it fails anyway."""
+    try:
+        return _LenientUnpickler(io.BytesIO(header), buffers=buffers).load()
+    except Exception:
+        return None
 
 

@@ -134,11 +134,31 @@ class Excludes:
 
     def __init__(self, rules: list[Rule]):
         self.rules = rules
+        self._fast = None     # without negations order does not matter: one regex per kind
+        if not any(r.negate for r in rules):
+            groups: dict[tuple, list[str]] = {}
+            for r in rules:
+                groups.setdefault((r.base, r.anchored, r.dir_only), []).append(r.regex.pattern)
+            self._fast = [(base, anchored, dir_only, re.compile("|".join(f"(?:{p})" for p in pats), re.S))
+                          for (base, anchored, dir_only), pats in groups.items()]
 
     def extended(self, more: list[Rule]) -> Excludes:
         return Excludes(self.rules + more) if more else self
 
     def excluded(self, rel: str, name: str, is_dir: bool) -> bool:
+        if self._fast is not None:
+            for base, anchored, dir_only, rx in self._fast:
+                if dir_only and not is_dir:
+                    continue
+                if base:
+                    if not rel.startswith(base + "/"):
+                        continue
+                    sub = rel[len(base) + 1:]
+                else:
+                    sub = rel
+                if rx.match(sub if anchored else name):
+                    return True
+            return False
         for r in reversed(self.rules):
             if r.dir_only and not is_dir:
                 continue
@@ -248,12 +268,13 @@ def build_manifest(root: str, scope: str = "", excludes=(), max_bytes: int | Non
     if max_bytes is not None and total > max_bytes:
         raise SyncTooLarge(_too_large(root, found, total, max_bytes))
     entries = []
+    root_sep = root + os.sep
     for rel, st, link in found:
         if link is not None:
             entries.append(Entry(rel, 0, 0o777, None, link))
             continue
         try:
-            d = cache.digest(os.path.join(root, rel), st)
+            d = cache.digest(root_sep + rel, st)
         except OSError as e:
             problems.append(Problem(rel, f"cannot read: {e.strerror or e}"))
             keep.append(rel)
@@ -287,7 +308,7 @@ def _with_gitignore(ex: Excludes, root: str, rel_dir: str) -> Excludes:
 
 
 def _consider(root, real_root, rel, name, found, problems, de=None):
-    full = os.path.join(root, rel)
+    full = de.path if de is not None else os.path.join(root, rel)
     try:
         st = de.stat(follow_symlinks=False) if de is not None else os.lstat(full)
     except OSError as e:

@@ -49,7 +49,7 @@ RECOVER_BUDGET_S = 1.0
 
 class _Sync:
     __slots__ = ("dest", "root", "scope", "entries", "need", "added", "open", "written",
-                 "bytes", "problems", "index", "dirty", "tmp_n", "dirs_ok")
+                 "bytes", "problems", "index", "dirty", "tmp_n", "dirs_ok", "chmod")
 
     def __init__(self, dest, root, scope, entries, index):
         self.dest, self.root, self.scope, self.entries, self.index = dest, root, scope, entries, index
@@ -62,6 +62,7 @@ class _Sync:
         self.dirty = False   # the index changed: save it at commit
         self.tmp_n = 0
         self.dirs_ok: set = set()
+        self.chmod: list[str] = []
 
 
 class SyncReceiver:
@@ -118,10 +119,11 @@ class SyncReceiver:
         sync = _Sync(dest, root, scope, {e[0]: e for e in entries}, index)
         add, modify, chmod = [], [], []
         budget = time.monotonic() + RECOVER_BUDGET_S
+        prefix = str(root) + os.sep
         for rel, size, mode, digest, link in entries:
-            path = root / rel
+            path = prefix + rel
             try:
-                st = path.lstat()
+                st = os.lstat(path)
             except (FileNotFoundError, NotADirectoryError):
                 add.append(rel)
                 continue
@@ -158,6 +160,7 @@ class SyncReceiver:
         delete = sorted(rel for rel in index if rel not in seen and _in_scope(rel, scope)
                         and not any(rel == k or rel.startswith(k + "/") for k in keep_set))
         sync.need = set(add) | set(modify)
+        sync.chmod = chmod
         sync.added = set(add)
         self.syncs[sid] = sync
         if opts.get("dry_run"):
@@ -312,16 +315,14 @@ class SyncReceiver:
                 index[rel] = [0, 0, 0o777, None, e[4]]
                 sync.written.append(rel)
         chmodded = []
-        for rel, e in sync.entries.items():
-            if e[4] is None and rel not in sync.need:
-                p = sync.root / rel
-                try:
-                    if stat.S_IMODE(p.lstat().st_mode) != e[2]:
-                        os.chmod(p, e[2])
-                        chmodded.append(rel)
-                        index[rel][2] = e[2]
-                except (OSError, KeyError):
-                    pass
+        for rel in sync.chmod:           # same content, new permission bits
+            mode = sync.entries[rel][2]
+            try:
+                os.chmod(sync.root / rel, mode)
+                chmodded.append(rel)
+                index[rel][2] = mode
+            except (OSError, KeyError):
+                pass
         deleted = []
         if delete:
             seen = sync.entries

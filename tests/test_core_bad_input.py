@@ -233,3 +233,13 @@ def test_attaching_to_a_mesh_whose_agent_is_gone():
     assert not path.exists()        # the stale file is cleaned up
     with pytest.raises(MeshGoneError, match="no mesh named 'agent-gone'"):
         attach("agent-gone")
+
+
+def test_using_a_host_mesh_that_was_shut_down():
+    hm = this_host("bad-input-shut", lease=30)
+    hm.shutdown()
+    with pytest.raises(MeshGoneError, match=r"host mesh 'bad-input-shut' was detached or shut down; "
+                                            r"attach\('bad-input-shut'\) to use it again"):
+        hm.spawn_procs(per_host={"gpus": 1})
+    with pytest.raises(MeshGoneError, match="no mesh named 'bad-input-shut'"):
+        attach("bad-input-shut")

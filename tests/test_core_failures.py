@@ -148,6 +148,11 @@ def test_endpoint_raise_is_an_actor_error_with_remote_traceback_and_actor_keeps_
     assert v.bump.call().get(30).values() == [1, 101]   # both ranks still serve, state intact
     with pytest.raises(ActorError, match="boom on purpose"):
         v.slice(gpus=1).boom.call_one().get(30)
+    streamed = []
+    with pytest.raises(ActorError, match="boom on purpose"):
+        for value in v.boom.stream():
+            streamed.append(value)
+    assert streamed in ([], ["fine"])
 
 
 def test_exception_in_init_is_a_supervision_error_naming_the_rank(victims):
@@ -191,8 +196,9 @@ def test_dead_proc_fails_waiting_futures_promptly_and_respawn_recovers(victims, 
         v.get_state.call()
     assert time.monotonic() - t1 < 0.5
     assert pm.dead_ranks() == [1]
-    # the other rank and the other mesh keep their state
+    # the other rank and the other mesh keep their state; choose() avoids the dead rank
     assert v.slice(gpus=0).get_state.call_one().get(30) == 1
+    assert [v.pid.choose().get(30) for _ in range(3)] == [pm.procs()[0].pid] * 3
     assert bystander.get_state.call_one().get(30) == 1
     # respawn replaces the dead proc; its actor is re-created by __init__
     assert pm.respawn() is pm

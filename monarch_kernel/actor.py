@@ -8,6 +8,8 @@
     trainers = procs.spawn("trainers", Trainer)
     trainers.step.call(n=0).get()          # ValueMesh
 """
+import os
+
 from .core.actors import Actor, endpoint
 from .core.context import Context, context, current_rank, current_size
 from .core.errors import ActorError, MeshFailure, MeshGoneError, MonarchError, SupervisionError
@@ -19,22 +21,25 @@ from .core.values import ValueMesh
 
 
 def this_proc() -> ProcMesh:
-    """Inside an actor: a one-member ProcMesh of the proc it runs on (to spawn helpers
-    beside it)."""
+    """Inside an actor (or an ``%%on_mesh`` cell): a one-member ProcMesh of the proc it runs
+    on, to spawn helpers beside it (``this_proc().spawn("helper", Helper)``)."""
     import workers.proc as proc_mod
 
-    from .core.mesh import ProcMesh as _PM
-    from .core.runtime import runtime
+    from .core.mesh import ProcMeshState
+    from .core.runtime import ProcRef, runtime
     from .core.shape import MeshView
 
-    ctx = context()
+    w = proc_mod.WORKER
+    if w is None:
+        raise RuntimeError("this_proc() is only defined on a proc (inside an actor or an %%on_mesh cell); "
+                           "on the controller, spawn on a ProcMesh from this_host().spawn_procs()")
     rt = runtime()
-    worker = proc_mod.WORKER
-    for st in rt.mesh_states.values():
-        for ref in st.procs:
-            if ref.key == ctx.actor_instance.proc_key:
-                return _PM(st, MeshView((), (), (ref.rank,)))
-    raise RuntimeError(f"this_proc(): proc {worker.proc_key if worker else '?'} is not in a known mesh")
+    sid = f"self-{w.proc_key}"
+    st = rt.mesh_states.get(sid)
+    if st is None:
+        ref = ProcRef(w.proc_key, w.rank, w.host, os.getpid(), w.work_addr, rt.address, w.agent)
+        st = rt.mesh_states[sid] = ProcMeshState(sid, w.mesh_name, w.key, (), (), [ref])
+    return ProcMesh(st, MeshView((), (), (0,)))
 
 
 __all__ = [

@@ -35,6 +35,16 @@ def ensure_kernelspec() -> None:
 class Reply:
     status: str
     outputs: list = field(default_factory=list)   # iopub messages of the cell, in order
+    reply: dict = field(default_factory=dict)     # the execute_reply message
+
+    @property
+    def kernel_seconds(self) -> float:
+        """Kernel-side time: from the kernel starting on the request to its reply."""
+        from dateutil.parser import isoparse
+
+        started = isoparse(self.reply["metadata"]["started"]) if isinstance(
+            self.reply["metadata"]["started"], str) else self.reply["metadata"]["started"]
+        return (self.reply["header"]["date"] - started).total_seconds()
 
     @property
     def stdout(self) -> str:
@@ -130,7 +140,7 @@ class KernelHarness:
         reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
-        return Reply(reply["content"]["status"], outs)
+        return Reply(reply["content"]["status"], outs, reply)
 
     def ok(self, code: str, timeout: float = 60) -> Reply:
         r = self.run(code, timeout)

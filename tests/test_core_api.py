@@ -331,9 +331,6 @@ def test_an_actor_calls_another_mesh_proc_to_proc(procs, counters):
     assert counters.value.call().get(30).values() == got
 
 
-@pytest.mark.xfail(strict=True, reason="runtime limitation: a proc runs sync endpoints of all its actors on "
-                   "one main thread, so a sync endpoint that waits on an actor of its own proc deadlocks "
-                   "(until its get() times out); use an async endpoint for that")
 def test_sync_endpoint_can_call_an_actor_on_its_own_proc(procs, counters):
     relays = procs.slice(gpus=slice(0, 1)).spawn("relays_same_proc", Counter)
     try:

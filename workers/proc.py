@@ -9,6 +9,7 @@ Threads, by design:
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import os
 import signal
@@ -96,6 +97,9 @@ class ProcWorker:
         self.work.bind(f"tcp://{cfg['bind']}:*")
         self.work_addr = self.work.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.busy_call = None   # (reply_to, call_id) of what the main thread runs now
+        self.active: list[str] = []                 # actors running sync code on the main thread
+        self.deferred: collections.deque = collections.deque()   # their messages, kept for later
+        self.deferred_for: collections.Counter = collections.Counter()
         self.state = "idle"
         self.main_ident = threading.get_ident()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -170,21 +174,51 @@ class ProcWorker:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
         self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address)
+        self.rt.nested_work = (work, self._nested_work)
+        self.rt.nested_thread = threading.get_ident()
+        deferred = self.deferred
         while self.running:
+            if deferred:
+                msg = deferred.popleft()
+                if msg[0] == "call":
+                    self.deferred_for[msg[1]] -= 1
+                self._dispatch_work(msg)
+                continue
             try:
                 frames = recv(work)
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived after its call finished
             msg = opener(frames, "work inbox")
-            if msg is None:
-                continue
-            if type(msg) is not tuple:
-                continue  # LoadFailure: logged by the opener
-            try:
-                getattr(self, "do_" + msg[0])(msg)
-            except KeyboardInterrupt:
-                continue
+            if msg is None or type(msg) is not tuple:
+                continue  # dropped (logged by the opener)
+            self._dispatch_work(msg)
         return 0
+
+    def _dispatch_work(self, msg) -> None:
+        try:
+            getattr(self, "do_" + msg[0])(msg)
+        except KeyboardInterrupt:
+            pass
+
+    def _nested_work(self, frames) -> None:
+        """Work that arrives while this main thread waits in get() inside an endpoint: run it
+        now, unless it is for an actor already running below us on this thread (it waits, in
+        order, for the main loop), so a sync endpoint may call actors of its own proc."""
+        msg = self.rt.keyring.open(frames, "work inbox")
+        if msg is None or type(msg) is not tuple:
+            return
+        kind = msg[0]
+        if kind == "exit" or (kind in ("call", "stop_actor") and (msg[1] in self.active
+                                                                   or self.deferred_for[msg[1]])):
+            self.deferred.append(msg)
+            if kind == "call":
+                self.deferred_for[msg[1]] += 1
+            return
+        saved = (self.busy_call, self.state)
+        try:
+            self._dispatch_work(msg)
+        finally:
+            self.busy_call, self.state = saved
 
     def do_exit(self, msg):
         self.running = False
@@ -229,11 +263,13 @@ class ProcWorker:
             return
         token = _CTX.set(slot.ctx)
         self.busy_call, self.state = (reply_to, call_id), f"in {slot.name}.{method}"
+        self.active.append(aid)
         try:
             value, ok = getattr(slot.obj, method)(*args, **kwargs), True
         except BaseException as e:
             value, ok = self._error(e, f"{slot.name}.{method}"), False
         finally:
+            self.active.pop()
             _CTX.reset(token)
             self.busy_call, self.state = None, "idle"
         self._reply(reply_to, call_id, ok, value)

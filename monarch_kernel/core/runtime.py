@@ -171,6 +171,9 @@ class Runtime:
         self._inbox_wanted = 0                     # user threads that want to read it
         self._want_lock = threading.Lock()
         self._inbox_released_at = 0.0
+        # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
+        self.nested_work: tuple | None = None
+        self.nested_thread: int | None = None
         self.handlers: dict[str, Callable] = {
             "r": self._on_result, "out": self._on_output, "died": self._on_died,
             "unhandled": self._on_unhandled, "replaced": self._on_replaced, "wake": _ignore,
@@ -328,6 +331,8 @@ class Runtime:
     def _pump(self, fut: Future, deadline, timeout) -> None:
         inbox, opener, dispatch, recv = self.inbox, self.keyring.open, self._dispatch, wire.recv_message
         events, POLLIN = zmq.EVENTS, zmq.POLLIN
+        if self.nested_work is not None and threading.get_ident() == self.nested_thread:
+            return self._pump_nested(fut, deadline, timeout)
         hook = self.wait_hook
         mine = hook is not None and hook[0] == threading.get_ident()
         while fut._state is _PENDING_STATE:
@@ -345,6 +350,33 @@ class Runtime:
             msg = opener(recv(inbox), "inbox")
             if msg is not None and type(msg) is tuple:
                 dispatch(msg)
+
+    def _pump_nested(self, fut: Future, deadline, timeout) -> None:
+        """A proc's main thread waiting inside an endpoint: besides its replies, take work
+        from its own work inbox (``nested_work``: (socket, handler)), so a sync endpoint can
+        call another actor of its own proc without deadlocking."""
+        inbox, opener, dispatch, recv = self.inbox, self.keyring.open, self._dispatch, wire.recv_message
+        work, handle = self.nested_work
+        events, POLLIN = zmq.EVENTS, zmq.POLLIN
+        poller = zmq.Poller()
+        poller.register(inbox, POLLIN)
+        poller.register(work, POLLIN)
+        while fut._state is _PENDING_STATE:
+            if inbox.getsockopt(events) & POLLIN:
+                msg = opener(recv(inbox), "inbox")
+                if msg is not None and type(msg) is tuple:
+                    dispatch(msg)
+                continue
+            if work.getsockopt(events) & POLLIN:
+                handle(recv(work))
+                continue
+            if deadline is None:
+                ms = -1
+            else:
+                ms = int((deadline - time.monotonic()) * 1000)
+                if ms <= 0:
+                    raise fut._timeout_error(timeout)
+            poller.poll(ms)
 
     # ----------------------------------------------------------------- agent links (I/O)
     def call_in_io(self, fn: Callable[[], None]) -> None:

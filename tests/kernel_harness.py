@@ -95,12 +95,12 @@ def home_processes(home: str) -> set[int]:
 
 
 class KernelHarness:
-    def __init__(self, prewarm: bool = False, env: dict | None = None):
+    def __init__(self, prewarm: bool = False, env: dict | None = None, kernel_name: str = "monarch"):
         ensure_kernelspec()
         self.home = tempfile.mkdtemp(prefix="mk-kernel-test-")
         self.env = {**os.environ, "MONARCH_KERNEL_HOME": self.home,
                     "MONARCH_KERNEL_PREWARM": "1" if prewarm else "0", **(env or {})}
-        self.km = KernelManager(kernel_name="monarch")
+        self.km = KernelManager(kernel_name=kernel_name)
         self.km.start_kernel(env=self.env)
         self._client()
 

@@ -216,3 +216,12 @@ def test_syntax_error_in_a_cell_points_at_the_line(k):
     r = k.run("%%on_mesh\nx = (")
     assert r.error["ename"] == "SyntaxError" and "ranks 0-3" in r.error["evalue"]
     assert "x = (" in "\n".join(r.error["traceback"])
+
+
+def test_status_shows_rdma_buffers_a_proc_registered(k):
+    k.ok("%%on_mesh --ranks 1\nimport torch\nfrom monarch_kernel.rdma import RDMABuffer\n"
+         "buf = RDMABuffer(torch.zeros(2048, dtype=torch.uint8))")
+    lines = k.ok("%mesh status").result.splitlines()
+    assert lines[1].split()[-1] == "buffers"
+    assert lines[3].endswith("1 (2.0 KiB)")   # rank 1's row
+    k.ok("%%on_mesh --ranks 1\ndel buf")

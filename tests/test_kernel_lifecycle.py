@@ -108,3 +108,14 @@ def test_stop_ends_procs_and_agent(k):
     r = k.run(f"%mesh stop {name}")
     assert r.status == "error" and f"no mesh named '{name}'" in r.stderr + r.error.get("evalue", "")
     k.ok("%mesh connect --procs 2", timeout=120)   # left for the fixture's teardown to stop
+
+
+def test_load_ext_in_a_plain_ipython_kernel():
+    h = KernelHarness(kernel_name="python3")
+    try:
+        h.ok("%load_ext monarch_kernel")
+        assert "started" in h.ok("%mesh connect plain --procs 2", timeout=120).stdout
+        r = h.ok("%%on_mesh\nprint('hi')\nrank * 3")
+        assert r.stdout == "[rank 0] hi\n[rank 1] hi\n" and "rank 1: 3" in r.result
+    finally:
+        h.close(stop_meshes=("plain",))

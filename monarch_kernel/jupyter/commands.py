@@ -137,14 +137,21 @@ def _state(s: str) -> str:
 
 
 def _buffers(b) -> str:
+    """RDMA buffers a proc registered (issue 6 puts a list of {"size": ...} in its state)."""
     if b is None:
         return ""
     if isinstance(b, (list, tuple)):
-        return str(len(b))
-    if isinstance(b, dict) and ("count" in b or "bytes" in b):
-        mib = f" ({b['bytes'] / 2**20:.1f} MiB)" if "bytes" in b else ""
-        return f"{b.get('count', '')}{mib}"
+        total = sum(x.get("size", 0) for x in b if isinstance(x, dict))
+        return f"{len(b)} ({_human(total)})" if b else "0"
     return str(b)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 LIST = mesh_parser("list", "meshes known on this machine and whether their agents are alive")

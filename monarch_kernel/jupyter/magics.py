@@ -171,6 +171,8 @@ class MeshMagics(Magics):
             return cmd.handler(MeshContext(self), args)
         except (ValueError, NotConnected) as e:
             raise UsageError(f"{cmd.parser.prog}: {e}\n{cmd.parser.format_usage().rstrip()}")
+        except MeshGoneError as e:   # a clear message, not the controller's stack
+            raise UsageError(f"{cmd.parser.prog}: {e}")
 
     def require(self):
         try:

@@ -160,8 +160,6 @@ def _controller_only_thing():
     return mod.Thing()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a proc drops a call whose arguments fail to unpickle (wire.LoadFailure) "
-                   "without answering, so the caller waits forever; the proc should reply with the error")
 def test_an_argument_the_worker_cannot_unpickle_fails_the_call(echo):
     """E.g. an object of a local module not (yet) synced to the workers."""
     thing = _controller_only_thing()
@@ -169,6 +167,12 @@ def test_an_argument_the_worker_cannot_unpickle_fails_the_call(echo):
         with pytest.raises(ActorError, match=r"could not be unpickled on this worker: ModuleNotFoundError"
                                              r".*only_on_the_controller"):
             echo.type_name.call(thing).get(3)
+        with pytest.raises(ActorError, match="only_on_the_controller"):
+            echo.slice(gpus=0).type_name.call_one(thing).get(3)
+        echo.slice(gpus=1).type_name.broadcast(thing)      # no caller waits: it surfaces on the next call
+        with pytest.raises(ActorError, match="could not be unpickled on this worker"):
+            for _ in range(50):
+                echo.echo.call(0).get(3)
     finally:
         del sys.modules["only_on_the_controller"]
 

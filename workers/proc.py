@@ -190,6 +190,7 @@ class ProcWorker:
                 continue  # an interrupt that arrived after its call finished
             msg = opener(frames, "work inbox")
             if msg is None or type(msg) is not tuple:
+                self._answer_load_failure(msg)
                 continue  # dropped (logged by the opener)
             self._dispatch_work(msg)
         return 0
@@ -206,6 +207,7 @@ class ProcWorker:
         order, for the main loop), so a sync endpoint may call actors of its own proc."""
         msg = self.rt.keyring.open(frames, "work inbox")
         if msg is None or type(msg) is not tuple:
+            self._answer_load_failure(msg)
             return
         kind = msg[0]
         if kind == "exit" or (kind in ("call", "stop_actor") and (msg[1] in self.active
@@ -219,6 +221,19 @@ class ProcWorker:
             self._dispatch_work(msg)
         finally:
             self.busy_call, self.state = saved
+
+    def _answer_load_failure(self, failure) -> None:
+        """A verified call whose arguments cannot be unpickled here (a module the workers
+        lack): fail it at the caller rather than leave the caller waiting."""
+        m = getattr(failure, "partial", None)
+        if type(m) is not tuple or len(m) < 7 or m[0] != "call":
+            return
+        slot = self.actors.get(m[1])
+        e = failure.error
+        self._reply(m[5], m[6], False, ActorError(
+            f"its arguments could not be unpickled on this worker: {e!r}. Make the module importable on "
+            "the workers (install it, or sync your code), or send plain data", rank=self.rank, host=self.host,
+            exc_type=type(e).__name__, actor=f"{slot.name if slot else m[1]}.{m[2]}"))
 
     def do_exit(self, msg):
         self.running = False

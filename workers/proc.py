@@ -25,6 +25,7 @@ from monarch_kernel.core.context import _CTX, ActorInstance, Context
 from monarch_kernel.core.errors import ActorError, MeshFailure, SupervisionError
 from monarch_kernel.core.runtime import Runtime, install_runtime
 from monarch_kernel.core.shape import Point
+from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
 
 
 class ActorSlot:
@@ -331,6 +332,7 @@ class ProcWorker:
         self.rt.send_frames(reply_to, frames)
 
     def _error(self, e: BaseException, where: str) -> ActorError:
+        debugger.post_mortem(e)   # stops here first when `%mesh debug --post-mortem on`
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         text = "".join(traceback.format_exception(type(e), e, tb))
         err = ActorError(f"{type(e).__name__}: {e}", rank=self.rank, host=self.host,
@@ -379,6 +381,7 @@ def main(cfg: dict) -> int:
         setup_proc(cfg["sync"])
     global WORKER
     WORKER = worker
+    debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
     sys.stdout, sys.stderr = worker.stdout, worker.stderr
     try:
         return worker.serve()

@@ -32,6 +32,7 @@ from .future import Future
 
 log = logging.getLogger("monarch_kernel")
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums cost on the hot path
 HEARTBEAT_S = float(os.environ.get("MONARCH_KERNEL_HEARTBEAT_S", "0.5"))
 HOST_TIMEOUT_S = float(os.environ.get("MONARCH_KERNEL_HOST_TIMEOUT_S", "3.0"))
 
@@ -177,6 +178,7 @@ class Runtime:
         self.handlers: dict[str, Callable] = {
             "r": self._on_result, "out": self._on_output, "died": self._on_died,
             "unhandled": self._on_unhandled, "replaced": self._on_replaced, "wake": _ignore,
+            "dbg": _load_debugger,
         }
         self.agent_event_handlers: dict[str, Callable] = {"died": self._on_agent_died}
         self.output: Callable[[int, str, str], None] = _print_output
@@ -330,14 +332,14 @@ class Runtime:
 
     def _pump(self, fut: Future, deadline, timeout) -> None:
         inbox, opener, dispatch, recv = self.inbox, self.keyring.open, self._dispatch, wire.recv_message
-        events, POLLIN = zmq.EVENTS, zmq.POLLIN
+        events, POLLIN, zpoll, poll_in = _EVENTS, _POLLIN, zmq.zmq_poll, [(self.inbox, _POLLIN)]
         if self.nested_work is not None and threading.get_ident() == self.nested_thread:
             return self._pump_nested(fut, deadline, timeout)
-        hook = self.wait_hook
-        mine = hook is not None and hook[0] == threading.get_ident()
         while fut._state is _PENDING_STATE:
-            if mine and self.wait_hook_due:
-                return
+            if self.wait_hook_due:
+                hook = self.wait_hook
+                if hook is not None and hook[0] == threading.get_ident():
+                    return
             if not inbox.getsockopt(events) & POLLIN:
                 if deadline is None:
                     ms = -1
@@ -345,7 +347,7 @@ class Runtime:
                     ms = int((deadline - time.monotonic()) * 1000)
                     if ms <= 0:
                         raise fut._timeout_error(timeout)
-                if not inbox.poll(ms):
+                if not zpoll(poll_in, ms):
                     continue
             msg = opener(recv(inbox), "inbox")
             if msg is not None and type(msg) is tuple:
@@ -357,7 +359,7 @@ class Runtime:
         call another actor of its own proc without deadlocking."""
         inbox, opener, dispatch, recv = self.inbox, self.keyring.open, self._dispatch, wire.recv_message
         work, handle = self.nested_work
-        events, POLLIN = zmq.EVENTS, zmq.POLLIN
+        events, POLLIN = _EVENTS, _POLLIN
         poller = zmq.Poller()
         poller.register(inbox, POLLIN)
         poller.register(work, POLLIN)
@@ -464,7 +466,7 @@ class Runtime:
                 for sock, _ in events:
                     if sock is inbox:
                         for _ in range(10_000):
-                            if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            if not inbox.getsockopt(_EVENTS) & _POLLIN:
                                 break
                             msg = opener(wire.recv_message(inbox), "inbox")
                             if msg is not None and type(msg) is tuple:
@@ -601,6 +603,13 @@ class Runtime:
 
 def _ignore(msg) -> None:
     pass
+
+
+def _load_debugger(msg) -> None:
+    """A rank paused in breakpoint(): load the controller's debugger, which takes over "dbg"."""
+    from ..debug.registry import registry
+
+    registry().on_message(msg)
 
 
 def _print_output(rank: int, stream: str, text: str) -> None:

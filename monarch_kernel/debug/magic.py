@@ -1,0 +1,128 @@
+"""``%mesh debug``: the debugger widget, and its text commands for use outside a running cell.
+
+    %mesh debug                       the widget: paused ranks, command box, panes, buttons
+    %mesh debug list                  the paused ranks (also those paused while detached)
+    %mesh debug attach RANK           the text console on RANK (until none is paused, or detach)
+    %mesh debug cast RANKS CMD ...    one pdb command to several ranks (ranks(1,3), 0:4:2, gpus=1:3)
+    %mesh debug continue [RANKS]      continue the paused ranks (all by default)
+    %mesh debug --post-mortem on|off  a rank that raises stops in the debugger at the raise
+
+Imported by ``%mesh`` (``OPTIONAL_COMMANDS``) when the extension loads, which also hooks the
+console into ``%%on_mesh`` waits (``jupyter.on_mesh.WAIT_HOOKS``): when a rank pauses while
+a cell runs, the cell becomes the console, unless a debugger widget is shown: then the
+widget drives the ranks (the kernel keeps handling its messages while the awaited
+``%%on_mesh`` cell runs) and the cell says so once per pause.
+"""
+from __future__ import annotations
+
+import argparse
+
+from monarch_kernel.jupyter import on_mesh
+from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
+
+from .console import console, table
+from .registry import DebugError, registry
+
+ACTIONS = ("list", "attach", "cast", "continue")
+
+parser = mesh_parser(
+    "debug", "ranks paused in breakpoint(): the debugger widget, or list / attach / cast / continue",
+    usage="%mesh debug [list | attach RANK | cast RANKS CMD | continue [RANKS]] [--post-mortem on|off]")
+parser.add_argument("action", nargs="?", choices=ACTIONS, metavar="ACTION",
+                    help="list, attach RANK, cast RANKS CMD, continue [RANKS]; none: show the widget")
+parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS")
+parser.add_argument("--post-mortem", choices=("on", "off"),
+                    help="on: a rank whose cell or endpoint raises stops in the debugger at the raise")
+
+
+def _view():
+    from monarch_kernel.jupyter.session import session
+
+    s = session()
+    return s.procs._view if s.procs is not None else None
+
+
+@mesh_command(parser)
+def debug(ctx, args):
+    reg = registry()
+    if args.post_mortem is not None:
+        procs, _ = ctx.require()
+        reg.set_post_mortem(procs, args.post_mortem == "on")
+        print(f"post-mortem debugging is {args.post_mortem} on {len(procs)} ranks"
+              + (": a rank that raises stops in the debugger" if args.post_mortem == "on" else ""))
+        if args.action is None:
+            return None
+    procs = _procs_or_none(ctx)
+    if procs is not None:
+        reg.refresh(procs)
+    try:
+        if args.action is None:
+            from .widget import DebuggerWidget
+
+            return DebuggerWidget(reg).show()
+        if args.action == "list":
+            print(table(reg.paused()))
+        elif args.action == "attach":
+            if len(args.rest) != 1:
+                raise DebugError("attach takes one rank, e.g. `%mesh debug attach 1`")
+            spec = args.rest[0]
+            target = reg.select(spec)
+            if len(target) != 1:
+                raise DebugError(f"attach takes one rank; {spec!r} names {len(target)}")
+            console().run(rank=target[0].rank)
+        elif args.action == "cast":
+            if len(args.rest) < 2:
+                raise DebugError("cast needs ranks and a command, e.g. `%mesh debug cast ranks(1,3) p x`")
+            targets = reg.cast(args.rest[0], " ".join(args.rest[1:]))
+            c = console()
+            c._wait_for_quietly(targets)
+        elif args.action == "continue":
+            if len(args.rest) > 1:
+                raise DebugError("continue takes at most one rank spec, e.g. `%mesh debug continue ranks(1,3)`")
+            targets = reg.continue_all(args.rest[0] if args.rest else None)
+            if not targets:
+                print("no rank is paused in the debugger")
+            else:
+                console()._wait_for_quietly(targets)
+                print(f"continued rank{'s' if len(targets) > 1 else ''} "
+                      f"{', '.join(str(s.rank) for s in targets)}")
+    except DebugError as e:
+        raise ValueError(str(e)) from None   # %mesh shows it as a UsageError with the usage
+    return None
+
+
+def _procs_or_none(ctx):
+    try:
+        return ctx.session.require()[0]
+    except Exception:
+        return None
+
+
+# ----------------------------------------------------------------------- running %%on_mesh cells
+_announced = 0
+
+
+def on_mesh_tick(run) -> None:
+    """WAIT_HOOKS entry: a rank paused while an ``%%on_mesh`` cell runs."""
+    global _announced
+    reg = registry()
+    c = console()
+    if not c.wanted():
+        return
+    from .widget import widget_shown
+
+    if run.capture is not None:
+        run.capture.go_live()   # what the ranks printed before they paused comes first
+    if widget_shown():
+        if reg.pauses > _announced:
+            _announced = reg.pauses
+            for s in reg.paused():
+                print(f"debugger: {s.describe()}; the debugger widget drives it")
+        c.seen_pauses = reg.pauses
+        return
+    c.run(on_interrupt=lambda: run.interrupt("interrupted"))
+
+
+if on_mesh_tick not in on_mesh.WAIT_HOOKS:
+    on_mesh.WAIT_HOOKS.append(on_mesh_tick)
+registry().view_fn = _view   # handles "dbg", opens the console in blocking waits from now on

@@ -1,0 +1,229 @@
+"""The distributed debugger through a real Monarch kernel (jupyter_client) and a real 3-proc mesh.
+
+The test answers the kernel's input requests as a front-end does (allow_stdin=True): the
+running cell is the debugger console, its prompts name the rank.
+"""
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+from kernel_harness import KernelHarness
+
+MESH = "kt-debug"
+
+
+@pytest.fixture(scope="module")
+def k():
+    h = KernelHarness()
+    try:
+        h.ok(f"%mesh connect {MESH} --procs 3", timeout=120)
+        yield h
+    finally:
+        h.close(stop_meshes=(MESH,))
+
+
+class Session:
+    """One cell run with its console: ``prompts`` asked, ``text`` as a user saw it."""
+
+    def __init__(self):
+        self.prompts: list[str] = []
+        self.text = ""
+        self.status = ""
+        self.result = ""
+        self.error: dict = {}
+
+
+def drive(k: KernelHarness, code: str, answers, timeout: float = 60, interrupt_at: int | None = None) -> Session:
+    """Run ``code``; answer each input request with ``answers(prompt, session)`` (or the next
+    item of a list). ``interrupt_at``: interrupt the kernel at that prompt (0-based) instead."""
+    it = iter(answers) if isinstance(answers, list) else None
+    s = Session()
+    mid = k.kc.execute(code, allow_stdin=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cell did not finish in {timeout} s; saw:\n{s.text}")
+        try:
+            m = k.kc.get_stdin_msg(timeout=0.02)
+        except queue.Empty:
+            m = None
+        if m is not None and m["msg_type"] == "input_request":
+            prompt = m["content"]["prompt"]
+            if interrupt_at is not None and len(s.prompts) == interrupt_at:
+                s.prompts.append(prompt)
+                k.km.interrupt_kernel()
+            else:
+                time.sleep(0.05)   # let the output sent before the prompt arrive
+                _drain(k, mid, s)
+                line = next(it) if it is not None else answers(prompt, s)
+                s.prompts.append(prompt)
+                s.text += f"{prompt}{line}\n"
+                k.kc.input(line)
+        if _drain(k, mid, s):
+            break
+    reply = k.kc.get_shell_msg(timeout=10)
+    while reply["parent_header"].get("msg_id") != mid:
+        reply = k.kc.get_shell_msg(timeout=10)
+    s.status = reply["content"]["status"]
+    return s
+
+
+def _drain(k, mid, s: Session) -> bool:
+    while True:
+        try:
+            msg = k.kc.get_iopub_msg(timeout=0.01)
+        except queue.Empty:
+            return False
+        if msg["parent_header"].get("msg_id") != mid:
+            continue
+        t, c = msg["msg_type"], msg["content"]
+        if t == "stream":
+            s.text += c["text"]
+        elif t == "execute_result":
+            s.result = c["data"]["text/plain"]
+        elif t == "error":
+            s.error = c
+            s.text += f"{c['ename']}: {c['evalue']}\n"
+        elif t == "status" and c["execution_state"] == "idle":
+            return True
+
+
+def values(result: str) -> list[str]:
+    return [line.split(": ", 1)[1] for line in result.splitlines()[1:]]
+
+
+# ----------------------------------------------------------------------- one rank, in a cell
+def test_breakpoint_on_one_rank_makes_the_cell_its_console(k):
+    s = drive(k, "%%on_mesh\nx = rank * 10\nif rank == 1:\n    breakpoint()\n    x += 1\nx",
+              ["p x", "l", "next", "p x", "continue"])
+    assert s.status == "ok", s.text
+    assert s.prompts == ["(rank 1 pdb) "] * 5
+    assert "rank 1 paused at <In [" in s.text and "(cell)" in s.text
+    assert "(rank 1 pdb) p x\n10\n" in s.text
+    assert "breakpoint()" in s.text.split("(rank 1 pdb) l\n")[1]   # `list` shows the cell's source
+    assert "(rank 1 pdb) p x\n11\n" in s.text
+    assert values(s.result) == ["0", "11", "20"]   # the other ranks ran on
+
+
+# ----------------------------------------------------------------------- several ranks
+def test_several_ranks_switch_cast_and_continue_all(k):
+    def answer(prompt, s):
+        if s.text.count("paused at") < 3:   # wait until every rank has stopped
+            time.sleep(0.1)
+            return "ranks"
+        plan = ["rank 2", "p rank", "cast ranks(0,1) p rank * 100", "continue all"]
+        done = sum(1 for line in s.text.splitlines() if line.split(") ", 1)[-1] in plan)
+        return plan[done]
+
+    s = drive(k, "%%on_mesh\nbreakpoint()\nrank + 1", answer)
+    assert s.status == "ok", s.text
+    assert "3 ranks paused (0, 1, 2)" in s.text
+    assert s.prompts[-3:] == ["(rank 2 pdb) "] * 3
+    assert "(rank 2 pdb) p rank\n2\n" in s.text
+    assert "[rank 0] 0\n" in s.text and "[rank 1] 100\n" in s.text
+    assert values(s.result) == ["1", "2", "3"]
+
+
+# ----------------------------------------------------------------------- actor endpoint, plain cell
+STEPPER = ("if 'stepper' not in dir():\n"
+           "    from monarch_kernel.actor import Actor, endpoint\n"
+           "    class Stepper(Actor):\n"
+           "        @endpoint\n"
+           "        def step(self, k: int) -> int:\n"
+           "            y = k * 3\n"
+           "            breakpoint()\n"
+           "            return y + 1\n"
+           "    stepper = mesh.spawn('stepper', Stepper)")
+
+
+def test_breakpoint_in_an_endpoint_called_from_a_plain_cell(k):
+    k.ok(STEPPER)
+    s = drive(k, "stepper.slice(gpus=2).step.call_one(k=5).get()", ["p y", "where", "c"])
+    assert s.status == "ok", s.text
+    assert "rank 2 paused at" in s.text and "step() (stepper.step)" in s.text
+    assert "(rank 2 pdb) p y\n15\n" in s.text
+    assert s.result == "16"
+
+
+# ----------------------------------------------------------------------- post-mortem
+def test_post_mortem_stops_a_raising_rank_at_the_raise(k):
+    k.ok("%mesh debug --post-mortem on")
+    try:
+        s = drive(k, "%%on_mesh\nz = 7\nif rank == 0:\n    z / 0\nz", ["p z", "c"])
+    finally:
+        k.ok("%mesh debug --post-mortem off")
+    assert "post-mortem: ZeroDivisionError: division by zero" in s.text
+    assert "(rank 0 pdb) p z\n7\n" in s.text
+    assert s.status == "error" and "ZeroDivisionError" in s.text   # the error still comes back
+    r = k.run("%%on_mesh\nif rank == 0:\n    1 / 0")   # off: no console
+    assert r.status == "error" and "ZeroDivisionError" in str(r.error)
+
+
+# ----------------------------------------------------------------------- interrupt
+def test_interrupt_at_the_prompt_leaves_no_rank_paused(k):
+    s = drive(k, "%%on_mesh\nimport time\nbreakpoint()\ntime.sleep(60)", [], interrupt_at=0)
+    assert s.status == "error" and "KeyboardInterrupt" in s.text, s.text
+    assert "every paused rank was interrupted" in s.text
+    out = k.ok("%mesh debug list").stdout
+    assert "no rank is paused" in out
+    assert k.ok("%%on_mesh\nrank").result   # the mesh is usable
+
+
+# ----------------------------------------------------------------------- outside a cell
+def test_list_cast_attach_continue_outside_a_running_cell(k):
+    k.ok(STEPPER)
+    k.ok("fut = stepper.slice(gpus=1).step.call_one(k=2)")   # rank 1 pauses; the cell ends
+    deadline = time.monotonic() + 20
+    while "stepper.step" not in (out := k.ok("%mesh debug list").stdout) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert out.splitlines()[0].split() == ["rank", "in", "where", "function", "state"]
+    assert out.splitlines()[1].split()[:2] == ["1", "stepper.step"]
+    assert "[rank 1] 6\n" in k.ok("%mesh debug cast ranks(1) p y").stdout
+    s = drive(k, "%mesh debug attach 1", ["p y + 1", "detach"])
+    assert s.prompts == ["(rank 1 pdb) "] * 2 and "7\n" in s.text and "stay paused" in s.text
+    out = k.ok("%mesh debug continue").stdout
+    assert "continued rank 1" in out
+    assert k.ok("fut.get()").result == "7"
+
+
+def test_a_reattached_controller_sees_ranks_paused_while_it_was_away(k):
+    k.ok(STEPPER)
+    k.ok("fut = stepper.slice(gpus=0).step.call_one(k=4)")
+    deadline = time.monotonic() + 20
+    while "stepper.step" not in k.ok("%mesh debug list").stdout and time.monotonic() < deadline:
+        time.sleep(0.2)
+    k.restart()   # the kernel leaves; the mesh (and the paused rank) stays
+    k.ok(f"%mesh connect {MESH}", timeout=60)
+    out = k.ok("%mesh debug list").stdout
+    assert out.splitlines()[1].split()[:2] == ["0", "stepper.step"], out
+    assert "continued rank 0" in k.ok("%mesh debug continue").stdout
+    assert "no rank is paused" in k.ok("%mesh debug list").stdout
+
+
+# ----------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("line,message", [
+    ("attach 2", "rank 2 is not paused in the debugger (no rank is paused)"),
+    ("attach 9", "rank 9 is outside the mesh: valid ranks are 0..2"),
+    ("cast ranks(1)", "cast needs ranks and a command"),
+    ("frobnicate", "invalid choice: 'frobnicate'"),
+])
+def test_bad_debug_commands_say_what_is_wrong(k, line, message):
+    r = k.run(f"%mesh debug {line}")
+    text = r.stderr + r.error.get("evalue", "")   # a UsageError shows on stderr
+    assert r.status == "error"
+    assert message in text, text
+    assert k.ok("%%on_mesh\nrank").result   # the mesh stays usable
+
+
+def test_bad_console_input_is_reported_and_the_console_goes_on(k):
+    s = drive(k, "%%on_mesh\nif rank == 1:\n    breakpoint()\nrank",
+              ["rank 0", "rank 7", "rank x", "cast 1", "cast ranks(5) p 1", "c"])
+    assert s.status == "ok", s.text
+    assert "debugger: rank 0 is not paused in the debugger (paused: 1)" in s.text
+    assert "debugger: rank 7 is outside the mesh: valid ranks are 0..2" in s.text
+    assert "debugger: `rank x`: give a rank number" in s.text
+    assert "debugger: cast needs ranks and a command" in s.text
+    assert "debugger: rank 5 is outside the mesh" in s.text
+    assert s.prompts == ["(rank 1 pdb) "] * 6

@@ -26,7 +26,7 @@ import types
 import cloudpickle
 import zmq
 
-_RCVMORE = zmq.RCVMORE
+_RCVMORE = int(zmq.RCVMORE)
 
 log = logging.getLogger("monarch_kernel.wire")
 

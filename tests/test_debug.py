@@ -227,3 +227,66 @@ def test_bad_console_input_is_reported_and_the_console_goes_on(k):
     assert "debugger: cast needs ranks and a command" in s.text
     assert "debugger: rank 5 is outside the mesh" in s.text
     assert s.prompts == ["(rank 1 pdb) "] * 6
+
+
+# ----------------------------------------------------------------------- the widget, via its comms
+class Iopub:
+    """Every iopub message, for waiting on widget state while a cell runs."""
+
+    def __init__(self, k: KernelHarness):
+        self.k, self.seen = k, []
+
+    def wait(self, pred, timeout: float = 30, what: str = ""):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in self.seen:
+                if pred(m):
+                    self.seen.remove(m)
+                    return m
+            try:
+                self.seen.append(self.k.kc.get_iopub_msg(timeout=0.1))
+            except queue.Empty:
+                pass
+        raise TimeoutError(f"no iopub message {what} within {timeout} s")
+
+
+def _value(m) -> str:
+    if m["msg_type"] not in ("comm_msg", "comm_open"):
+        return ""
+    state = m["content"]["data"].get("state") or {}
+    return str(state.get("value", ""))
+
+
+def test_the_widget_drives_a_rank_while_its_cell_runs(k):
+    io = Iopub(k)
+    shown = k.kc.execute("%mesh debug")
+    comms = {}
+    io.wait(lambda m: m["parent_header"].get("msg_id") == shown and m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle", what="(widget shown)")
+    for m in io.seen:
+        if m["msg_type"] == "comm_open":
+            st = m["content"]["data"]["state"]
+            comms[(st["_model_name"], st.get("description", ""))] = m["content"]["comm_id"]
+
+    def send(model, desc, data):
+        msg = k.kc.session.msg("comm_msg", {"comm_id": comms[(model, desc)], "data": data})
+        k.kc.shell_channel.send(msg)
+
+    def click(desc):
+        send("ButtonModel", desc, {"method": "custom", "content": {"event": "click"}})
+
+    cell = k.kc.execute("%%on_mesh\nx = rank * 10\nif rank == 1:\n    breakpoint()\n    x += 1\nx")
+    io.wait(lambda m: "monarch-debugger-row" in _value(m) and "<td style='text-align:left;padding:0 8px'>1</td>"
+            in _value(m), what="(table shows rank 1)")
+    note = io.wait(lambda m: m["parent_header"].get("msg_id") == cell and m["msg_type"] == "stream",
+                   what="(the cell says who drives the rank)")["content"]["text"]
+    assert "rank 1 paused at <In [" in note and "the debugger widget drives it" in note
+    send("TextModel", "command", {"method": "update", "state": {"value": "p x"}, "buffer_paths": []})
+    click("send")
+    io.wait(lambda m: "(rank 1 pdb) p x\n10\n" in _value(m), what="(rank 1's pane shows p x)")
+    click("continue")
+    done = io.wait(lambda m: m["parent_header"].get("msg_id") == cell and m["msg_type"] == "execute_result",
+                   what="(the cell finished)")
+    assert values(done["content"]["data"]["text/plain"]) == ["0", "11", "20"]
+    click("close")   # the next cells use the text console again
+    assert "no rank is paused" in k.ok("%mesh debug list").stdout

@@ -12,3 +12,9 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0" numpy
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m monarch_kernel.install --sys-prefix >/dev/null 2>&1 || true
+# The browser test (tests/test_debug_browser.py) drives JupyterLab in the system Chromium;
+# install it only when missing, and never fail set-up over it (that test then skips).
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "setup: could not install chromium; the browser test will skip" >&2
+fi

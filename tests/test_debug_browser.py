@@ -1,0 +1,155 @@
+"""The debugger widget in a real JupyterLab, clicked through in headless Chromium.
+
+A notebook connects a 2-proc mesh, shows ``%mesh debug``, runs an ``%%on_mesh`` cell in
+which rank 1 calls ``breakpoint()``, and stops the mesh. The test waits for the widget's
+table to show rank 1, types ``p x`` in the command box, sends it, sees rank 1's pane
+answer, clicks continue, and sees the cell finish. Screenshots go to
+``$MONARCH_KERNEL_SCREENSHOTS`` (default: the test's tmp dir).
+
+Needs /usr/bin/chromium and the playwright package (scripts/setup.sh installs both when
+it can); skips, saying which is missing, otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from kernel_harness import ensure_kernelspec, home_processes
+
+CHROMIUM = "/usr/bin/chromium"
+MESH = "kt-debug-browser"
+CELLS = [
+    f"%mesh connect {MESH} --procs 2",
+    "%mesh debug",
+    "%%on_mesh\nx = rank * 10\nif rank == 1:\n    breakpoint()\n    x += 1\nprint('finished', rank, x)\nx",
+    f"%mesh stop {MESH}",
+]
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (scripts/setup.sh "
+                                                            "installs it with apt-get when it can)"),
+]
+
+
+def _notebook(path: Path) -> None:
+    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+             for src in CELLS]
+    nb = {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
+          "metadata": {"kernelspec": {"name": "monarch", "display_name": "Monarch (Python 3)", "language": "python"}}}
+    path.write_text(json.dumps(nb))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    ensure_kernelspec()
+    root = tmp_path / "root"
+    root.mkdir()
+    _notebook(root / "debug.ipynb")
+    home = tempfile.mkdtemp(prefix="mk-browser-test-")
+    port, token = _free_port(), "debugtest"
+    env = {**os.environ, "MONARCH_KERNEL_HOME": home, "MONARCH_KERNEL_PREWARM": "0",
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    jupyter = str(Path(sys.executable).parent / "jupyter")
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        ["timeout", "600", jupyter, "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={root}",
+         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--LabApp.expose_app_in_browser=True"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail(f"JupyterLab did not start: {(tmp_path / 'lab.log').read_text()[-2000:]}")
+                time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}/lab/tree/debug.ipynb?token={token}"
+    finally:
+        proc.send_signal(signal.SIGTERM)   # `timeout` passes it on; the server shuts its kernels down
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        _stop_leftovers(home)
+
+
+def _stop_leftovers(home: str) -> None:
+    """The notebook's last cell stops the mesh; if the test failed before it, stop it here."""
+    left = home_processes(home)
+    deadline = time.monotonic() + 8
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = home_processes(home)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    shutil.rmtree(home, ignore_errors=True)
+
+
+READY = """() => {
+  const app = window.jupyterapp; const w = app && app.shell.currentWidget;
+  const ctx = w && w.sessionContext; const k = ctx && ctx.session && ctx.session.kernel;
+  return !!(ctx && ctx.isReady && k && k.connectionStatus === 'connected' && k.status === 'idle');
+}"""
+
+
+@pytest.mark.timeout(300)
+def test_widget_in_jupyterlab_drives_a_paused_rank_until_the_cell_finishes(lab, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
+                                                                 "playwright; it uses the system Chromium)")
+    shots = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium"), executable_path=CHROMIUM, headless=True,
+            viewport={"width": 1280, "height": 1000},
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = ctx.pages[0] if ctx.pages else ctx.new_page()
+            page.goto(lab)
+            page.wait_for_function(READY, timeout=90_000, polling=250)
+            # Not awaited: the command's promise resolves only once every cell ran.
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+            row = page.locator(".monarch-debugger-row", has_text="<module>")
+            row.first.wait_for(timeout=90_000)
+            assert row.first.locator("td").first.inner_text().strip() == "1"   # rank 1 paused
+            page.screenshot(path=str(shots / "debug-1-paused.png"))
+
+            page.get_by_placeholder("pdb command for the selected ranks").fill("p x")
+            page.get_by_role("button", name="send", exact=True).click()
+            pane = page.locator(".monarch-debugger-pane", has_text="(rank 1 pdb) p x")
+            pane.first.wait_for(timeout=30_000)
+            assert "(rank 1 pdb) p x\n10" in pane.first.inner_text()
+            page.screenshot(path=str(shots / "debug-2-command.png"))
+
+            page.get_by_role("button", name="continue", exact=True).click()
+            page.get_by_text("finished 1 11").first.wait_for(timeout=30_000)   # the cell ran on
+            page.locator(".jp-OutputArea-output table", has_text="11").first.wait_for(timeout=30_000)  # returned
+            page.get_by_text(f"mesh '{MESH}' stopped").first.wait_for(timeout=60_000)
+            page.screenshot(path=str(shots / "debug-3-finished.png"), full_page=True)
+        finally:
+            ctx.close()

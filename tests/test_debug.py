@@ -126,6 +126,20 @@ def test_several_ranks_switch_cast_and_continue_all(k):
     assert values(s.result) == ["1", "2", "3"]
 
 
+def test_pdb_set_trace_and_the_named_dim_grammar(k):
+    def answer(prompt, s):
+        if s.text.count("paused at") < 2:
+            time.sleep(0.1)
+            return "ranks"
+        plan = ["cast ranks(gpus=1:3) p v * 2", "continue all"]
+        return plan[sum(1 for line in s.text.splitlines() if line.split(") ", 1)[-1] in plan)]
+
+    s = drive(k, "%%on_mesh --ranks 1:3\nimport pdb\nv = rank + 5\npdb.set_trace()\nv", answer)
+    assert s.status == "ok", s.text
+    assert "[rank 1] 12\n" in s.text and "[rank 2] 14\n" in s.text
+    assert values(s.result) == ["6", "7"]
+
+
 # ----------------------------------------------------------------------- actor endpoint, plain cell
 STEPPER = ("if 'stepper' not in dir():\n"
            "    from monarch_kernel.actor import Actor, endpoint\n"

@@ -185,6 +185,14 @@ def test_interrupt_at_the_prompt_leaves_no_rank_paused(k):
     assert k.ok("%%on_mesh\nrank").result   # the mesh is usable
 
 
+def test_a_front_end_without_input_boxes_gets_a_clear_message_and_the_cell_finishes(k):
+    mid = k.kc.execute("%%on_mesh\nif rank == 0:\n    breakpoint()\nrank", allow_stdin=False)
+    r = k.wait(mid, timeout=30)
+    assert r.status == "ok"
+    assert "cannot answer input requests (allow_stdin is off); they were continued" in r.stdout
+    assert r.result.endswith("rank 2: 2")
+
+
 # ----------------------------------------------------------------------- outside a cell
 def test_list_cast_attach_continue_outside_a_running_cell(k):
     k.ok(STEPPER)

@@ -18,6 +18,9 @@ import pytest
 _HOME = tempfile.mkdtemp(prefix="mk-test-home-")
 os.environ["MONARCH_KERNEL_HOME"] = _HOME
 os.environ.setdefault("MONARCH_KERNEL_HOST_TIMEOUT_S", "3.0")
+# Persistent meshes made by tests (and by the kernels they start) expire quickly if a run is
+# killed before its teardown; normal teardown stops them at once.
+os.environ.setdefault("MONARCH_KERNEL_LEASE_S", "120")
 
 
 def marked_processes() -> set[int]:

@@ -52,6 +52,9 @@ def cell_filename(execution_count) -> str:
     return f"<In [{execution_count}] on mesh>" if execution_count else f"<mesh cell {n}>"
 
 
+FAST_WAIT_S = 0.005
+
+
 class _Run:
     """One call on the cell runner mesh, waited for with interrupt and timeout."""
 
@@ -110,6 +113,15 @@ class _Run:
             self.tick()
 
     async def wait_async(self):
+        # Most cells finish in a millisecond or two: wait that long in this thread first (it
+        # reads its own reply off the inbox), blocking the loop for at most FAST_WAIT_S, then
+        # let the loop run (widgets, comms) while longer cells go on.
+        try:
+            return self.future.get(FAST_WAIT_S)
+        except TimeoutError:
+            pass
+        except KeyboardInterrupt:
+            self.interrupt("was interrupted")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 

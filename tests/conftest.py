@@ -25,24 +25,9 @@ os.environ.setdefault("MONARCH_KERNEL_LEASE_S", "120")
 
 def marked_processes() -> set[int]:
     """PIDs of live (non-zombie) processes started under this session's home."""
-    needle = f"MONARCH_KERNEL_HOME={_HOME}".encode()
-    out = set()
-    me = os.getpid()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == me:
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                env = f.read()
-            if needle not in env.split(b"\0"):
-                continue
-            with open(f"/proc/{d}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except OSError:
-            continue
-        out.add(int(d))
-    return out
+    from kernel_harness import home_processes
+
+    return home_processes(_HOME)
 
 
 def _descendants(pid: int) -> set[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import io
 import os
 import signal
 import sys
@@ -25,6 +24,7 @@ from monarch_kernel.core.context import _CTX, ActorInstance, Context
 from monarch_kernel.core.errors import ActorError, MeshFailure, SupervisionError
 from monarch_kernel.core.runtime import Runtime, install_runtime
 from monarch_kernel.core.shape import Point
+from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
 
 
@@ -36,7 +36,7 @@ class ActorSlot:
         self.async_methods: dict[str, bool] = {}
 
 
-class ForwardingStream(io.TextIOBase):
+class ForwardingStream(TextSink):
     """sys.stdout / sys.stderr of a proc: complete lines go to the controller (the sink),
     tagged with the rank, from the writing thread's own socket; the reply to a call is
     sent after a flush on the same socket, so output always arrives before the result."""
@@ -45,16 +45,6 @@ class ForwardingStream(io.TextIOBase):
         self._worker, self._name = worker, name
         self._buf: list[str] = []
         self._lock = threading.Lock()
-
-    @property
-    def encoding(self):
-        return "utf-8"
-
-    def writable(self):
-        return True
-
-    def isatty(self):
-        return False
 
     def write(self, s: str) -> int:
         if not isinstance(s, str):

@@ -341,13 +341,7 @@ class Runtime:
                 if hook is not None and hook[0] == threading.get_ident():
                     return
             if not inbox.getsockopt(events) & POLLIN:
-                if deadline is None:
-                    ms = -1
-                else:
-                    ms = int((deadline - time.monotonic()) * 1000)
-                    if ms <= 0:
-                        raise fut._timeout_error(timeout)
-                if not zpoll(poll_in, ms):
+                if not zpoll(poll_in, _ms_left(deadline, fut, timeout)):
                     continue
             msg = opener(recv(inbox), "inbox")
             if msg is not None and type(msg) is tuple:
@@ -372,13 +366,7 @@ class Runtime:
             if work.getsockopt(events) & POLLIN:
                 handle(recv(work))
                 continue
-            if deadline is None:
-                ms = -1
-            else:
-                ms = int((deadline - time.monotonic()) * 1000)
-                if ms <= 0:
-                    raise fut._timeout_error(timeout)
-            poller.poll(ms)
+            poller.poll(_ms_left(deadline, fut, timeout))
 
     # ----------------------------------------------------------------- agent links (I/O)
     def call_in_io(self, fn: Callable[[], None]) -> None:
@@ -599,6 +587,16 @@ class Runtime:
         if threading.current_thread() is not self._thread:
             self._thread.join(2)
         self.ctx.destroy(linger=500)
+
+
+def _ms_left(deadline: float | None, fut: Future, timeout) -> int:
+    """Milliseconds to poll before ``deadline`` (-1: no deadline); past it, the timeout."""
+    if deadline is None:
+        return -1
+    ms = int((deadline - time.monotonic()) * 1000)
+    if ms <= 0:
+        raise fut._timeout_error(timeout)
+    return ms
 
 
 def _ignore(msg) -> None:

@@ -146,6 +146,9 @@ class Console:
 
         while True:
             finished = reg.wait(lambda: done() or any(s.unread for s in targets), 0.5)
+            # Decide before flushing: a rank's output precedes its prompt, so once it has
+            # answered, this flush shows all of it, labelled as this wait labels it.
+            finished = finished and done()
             for s in targets:
                 self._flush(s, label=label)
             if finished and done():

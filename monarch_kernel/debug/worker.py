@@ -25,12 +25,13 @@ an endpoint's or cell's error is sent back) stop in the debugger at the raise.
 from __future__ import annotations
 
 import bdb
-import io
 import os
 import pdb
 import queue
 import sys
 import threading
+
+from monarch_kernel.core.textsink import TextSink
 
 _PDBPP = hasattr(pdb, "DefaultConfig")
 SKIP = ["monarch_kernel.*", "workers.*", "asyncio.*"]   # module patterns pdb never stops in
@@ -45,23 +46,13 @@ class _Config(pdb.DefaultConfig if _PDBPP else object):
     prompt = "(Pdb++) "
 
 
-class _RemoteOut(io.TextIOBase):
+class _RemoteOut(TextSink):
     """The debugger's stdout: whole lines (and whatever is left at a prompt) to the controller."""
 
     def __init__(self, dbg: RemoteDebugger):
         self._dbg = dbg
         self._buf: list[str] = []
         self.prompt = ""
-
-    @property
-    def encoding(self):
-        return "utf-8"
-
-    def writable(self):
-        return True
-
-    def isatty(self):
-        return False
 
     def write(self, s: str) -> int:
         if s == self.prompt:   # the prompt is the controller's to show

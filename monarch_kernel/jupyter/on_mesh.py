@@ -30,6 +30,9 @@ from .display import CellInterrupted, CellValues, cell_error
 TICK_S = 0.1
 STOP_GRACE_S = 2.0
 WAIT_HOOKS: list[Callable[[_Run], None]] = []
+# CELL_NAMERS: ``namer(body) -> (filename, lines_before_body) | None``; the first answer names
+# the cell's code on the ranks (debug/dap.py: the file JupyterLab's debugger knows the cell by).
+CELL_NAMERS: list[Callable[[str], tuple[str, int] | None]] = []
 _cell_counter = itertools.count(1)
 
 
@@ -50,6 +53,15 @@ def select(cells: ActorMesh, ranks: str | None, slice_: str | None) -> ActorMesh
 def cell_filename(execution_count) -> str:
     n = next(_cell_counter)
     return f"<In [{execution_count}] on mesh>" if execution_count else f"<mesh cell {n}>"
+
+
+def cell_run_args(execution_count, code: str, want_value: bool) -> tuple:
+    """The arguments of ``CellRunner.run`` for this cell (see CELL_NAMERS)."""
+    for namer in CELL_NAMERS:
+        named = namer(code)
+        if named is not None:
+            return (code, named[0], want_value, named[1])
+    return (code, cell_filename(execution_count), want_value)
 
 
 FAST_WAIT_S = 0.005
@@ -116,12 +128,19 @@ class _Run:
         # Most cells finish in a millisecond or two: wait that long in this thread first (it
         # reads its own reply off the inbox), blocking the loop for at most FAST_WAIT_S, then
         # let the loop run (widgets, comms) while longer cells go on.
+        from ..core.runtime import runtime
+
+        rt = runtime()
+        hook, rt.wait_hook = rt.wait_hook, None   # a pause is this cell's wait hooks' to handle
         try:
             return self.future.get(FAST_WAIT_S)
         except TimeoutError:
             pass
         except KeyboardInterrupt:
             self.interrupt("was interrupted")
+        finally:
+            if rt.wait_hook is None:
+                rt.wait_hook = hook
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 

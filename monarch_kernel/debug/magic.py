@@ -6,6 +6,7 @@
     %mesh debug cast RANKS CMD ...    one pdb command to several ranks (ranks(1,3), 0:4:2, gpus=1:3)
     %mesh debug continue [RANKS]      continue the paused ranks (all by default)
     %mesh debug --post-mortem on|off  a rank that raises stops in the debugger at the raise
+    %mesh debug dap RANK|off          JupyterLab's debugger panel drives RANK (dap.py), or the kernel
 
 Imported by ``%mesh`` (``OPTIONAL_COMMANDS``) when the extension loads, which also hooks the
 console into ``%%on_mesh`` waits (``jupyter.on_mesh.WAIT_HOOKS``): when a rank pauses while
@@ -23,13 +24,14 @@ from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
 from .console import console, table
 from .registry import DebugError, registry
 
-ACTIONS = ("list", "attach", "cast", "continue")
+ACTIONS = ("list", "attach", "cast", "continue", "dap")
 
 parser = mesh_parser(
     "debug", "ranks paused in breakpoint(): the debugger widget, or list / attach / cast / continue",
-    usage="%mesh debug [list | attach RANK | cast RANKS CMD | continue [RANKS]] [--post-mortem on|off]")
+    usage="%mesh debug [list | attach RANK | cast RANKS CMD | continue [RANKS] | dap [RANK|off]] "
+          "[--post-mortem on|off]")
 parser.add_argument("action", nargs="?", choices=ACTIONS, metavar="ACTION",
-                    help="list, attach RANK, cast RANKS CMD, continue [RANKS]; none: show the widget")
+                    help="list, attach RANK, cast RANKS CMD, continue [RANKS], dap RANK|off; none: show the widget")
 parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS")
 parser.add_argument("--post-mortem", choices=("on", "off"),
                     help="on: a rank whose cell or endpoint raises stops in the debugger at the raise")
@@ -76,6 +78,10 @@ def debug(ctx, args):
             targets = reg.cast(args.rest[0], " ".join(args.rest[1:]))
             c = console()
             c._wait_for_quietly(targets)
+        elif args.action == "dap":
+            from .dap import dap_command
+
+            print(dap_command(args.rest))
         elif args.action == "continue":
             if len(args.rest) > 1:
                 raise DebugError("continue takes at most one rank spec, e.g. `%mesh debug continue ranks(1,3)`")
@@ -96,6 +102,16 @@ def _procs_or_none(ctx):
         return ctx.session.require()[0]
     except Exception:
         return None
+
+
+def _install_dap() -> None:
+    from IPython.core.getipython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None and getattr(shell, "kernel", None) is not None:
+        from .dap import install
+
+        install(shell)
 
 
 # ----------------------------------------------------------------------- running %%on_mesh cells
@@ -125,4 +141,5 @@ def on_mesh_tick(run) -> None:
 
 if on_mesh_tick not in on_mesh.WAIT_HOOKS:
     on_mesh.WAIT_HOOKS.append(on_mesh_tick)
+_install_dap()
 registry().view_fn = _view   # handles "dbg", opens the console in blocking waits from now on

@@ -105,9 +105,11 @@ class CellRunner(Actor):
         self.rank = rank
 
     @endpoint
-    def run(self, code: str, filename: str, want_value: bool = True):
+    def run(self, code: str, filename: str, want_value: bool = True, line_offset: int = 0):
         """Execute ``code``; the value of a last bare expression is returned (None if the
-        cell ends in a statement or a ';'), a CellFailure if it raised."""
+        cell ends in a statement or a ';'), a CellFailure if it raised. ``line_offset``:
+        lines before ``code`` in the notebook cell (its lines keep their cell numbers)."""
+        code = "\n" * line_offset + code
         lines = code.splitlines(keepends=True)
         linecache.cache[filename] = (len(code), None, lines, filename)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from ipykernel.ipkernel import IPythonKernel
+from traitlets import Type
 
 from .. import __version__
 from .session import session
@@ -23,6 +24,8 @@ class MonarchKernel(IPythonKernel):
     implementation_version = __version__
     banner = ("Monarch kernel (IPython) - %mesh connect starts a local mesh; %%on_mesh runs a cell "
               "on every rank; %mesh -h lists commands")
+    # JupyterLab's debugger panel can drive one rank (`%mesh debug dap RANK`, debug/dap.py)
+    debugger_class = Type("monarch_kernel.debug.dap.MonarchDebugger")
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -32,7 +32,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.errors import ActorError, MeshGoneError, SupervisionError
 from .display import cell_error
-from .on_mesh import _Run, cell_filename, outcome, select, supervision_message
+from .on_mesh import _Run, cell_run_args, outcome, select, supervision_message
 from .output import OutputRouter
 from .session import NotConnected, session
 
@@ -210,10 +210,10 @@ class MeshMagics(Magics):
             target = select(cells, args.ranks, args.slice)
         except (ValueError, TypeError) as e:
             raise UsageError(f"%%on_mesh: {e}\n{ON_MESH.format_usage().rstrip()}")
-        filename = cell_filename(getattr(self.shell, "execution_count", None))
+        run_args = cell_run_args(getattr(self.shell, "execution_count", None), code, want_value)
         cap = self.router.begin(target._view.ranks, live=args.stream)
         try:
-            run = _Run(target, "run", (code, filename, want_value), args.timeout, cap)
+            run = _Run(target, "run", run_args, args.timeout, cap)
         except SupervisionError as e:
             self.router.end(cap)
             raise _died(e)

@@ -66,3 +66,18 @@ def test_non_contiguous_and_small_tensors_still_work(echo):
 def test_only_same_host_addresses_take_the_handle_path():
     assert is_local("tcp://127.0.0.1:5555") and is_local("ipc:///tmp/x")
     assert not is_local("tcp://10.254.253.252:5555")
+
+
+def test_received_memory_is_reused_only_after_every_view_of_it_is_freed(echo):
+    """Receive buffers are recycled (their pages are already faulted in): a tensor still
+    alive, or a view of it, keeps its bytes while later tensors of the same size arrive."""
+    one = echo.slice(gpus=0)
+    n = 2 << 20                                    # 8 MiB of float32, above the threshold
+    kept = one.echo_plus_one.call_one(torch.zeros(n)).get()
+    view = one.echo_plus_one.call_one(torch.full((n,), 10.0)).get()[5:9]
+    for i in range(4):                             # same size: would reuse a freed buffer
+        got = one.echo_plus_one.call_one(torch.full((n,), float(100 + i))).get()
+        assert torch.equal(got, torch.full((n,), float(101 + i)))
+        del got                                    # freed: its memory may serve the next one
+    assert torch.equal(kept, torch.ones(n))
+    assert torch.equal(view, torch.full((4,), 11.0))

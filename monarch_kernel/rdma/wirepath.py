@@ -13,8 +13,12 @@ that carries it is in flight.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
+import threading
+import weakref
 
 from . import backends, shm, tcp
 from . import owner as owner_mod
@@ -60,12 +64,45 @@ def _pull(o, slot, gen, token, addr, nbytes, dtype, shape, requires_grad):
 
 
 def _empty(nbytes: int):
-    """Fresh memory for a received tensor, backed by huge pages where the kernel allows
-    (first-touch page faults dominate a 64 MiB copy otherwise)."""
-    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    return m
+    """Memory for a received tensor: a mapping recycled from a freed tensor of the same size
+    when there is one (its pages are already faulted in, which is most of the cost of a
+    fresh 64 MiB copy), else a fresh one backed by huge pages where the kernel allows.
+    The memory returns to the pool when the last tensor viewing it is freed."""
+    m = None
+    with _pool_lock:
+        free = _pool.get(nbytes)
+        if free:
+            m = free.pop()
+            global _pool_bytes
+            _pool_bytes -= nbytes
+    if m is None:
+        m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+    buf = _buffer_type(max(nbytes, 1)).from_buffer(m)
+    weakref.finalize(buf, _recycle, m, nbytes)
+    return buf
+
+
+def _recycle(m: mmap.mmap, nbytes: int) -> None:
+    global _pool_bytes
+    with _pool_lock:
+        if _pool_bytes + nbytes <= POOL_BYTES:
+            _pool.setdefault(nbytes, []).append(m)
+            _pool_bytes += nbytes
+    # else: dropped; the mapping is unmapped once nothing exports it
+
+
+@functools.lru_cache(maxsize=64)
+def _buffer_type(nbytes: int):
+    """A ctypes array type of this size that can carry a finalizer (plain ones cannot)."""
+    return type(f"_Received{nbytes}", (ctypes.c_ubyte * nbytes,), {})
+
+
+POOL_BYTES = int(os.environ.get("MONARCH_KERNEL_RECV_POOL_BYTES", str(512 << 20)))
+_pool: dict[int, list[mmap.mmap]] = {}
+_pool_bytes = 0
+_pool_lock = threading.Lock()

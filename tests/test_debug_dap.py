@@ -168,3 +168,14 @@ def test_a_dead_rank_is_a_clear_message(k):
         time.sleep(0.2)
     assert "rank 1 is dead" in text and "respawn" in text, text
     assert "0: 0" in k.ok("%%on_mesh --ranks 0\nrank").result   # the mesh stays usable
+
+
+def test_off_while_the_panel_is_on_hands_it_back_to_the_kernel(k):
+    dap = Dap(k)
+    k.ok("%mesh debug dap 0")
+    start_panel(dap)
+    assert "kernel's own process again" in k.ok("%mesh debug dap off").stdout
+    threads = dap.request("threads")
+    names = [t["name"] for t in threads["body"]["threads"]]
+    assert "IPythonHistorySavingThread" in names, names   # the kernel's threads, not a rank's
+    dap.request("disconnect", restart=False, terminateDebuggee=False)

@@ -37,7 +37,8 @@ def this_proc() -> ProcMesh:
     sid = f"self-{w.proc_key}"
     st = rt.mesh_states.get(sid)
     if st is None:
-        ref = ProcRef(w.proc_key, w.rank, w.host, os.getpid(), w.work_addr, rt.address, w.agent)
+        ref = ProcRef(w.proc_key, w.rank, w.host, os.getpid(), w.work_addr, rt.address, w.agent,
+                      w.work_ipc, rt.ipc_address, rt.host_id)
         st = rt.mesh_states[sid] = ProcMeshState(sid, w.mesh_name, w.key, (), (), [ref])
     return ProcMesh(st, MeshView((), (), (0,)))
 

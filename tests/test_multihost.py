@@ -62,18 +62,29 @@ def _start_agent(ns: str, bind: str, key_file: str) -> tuple[subprocess.Popen, s
     return p, line.split(" ", 1)[1]
 
 
+_pending: dict[int, bytes] = {}
+
+
 def _read_json(p: subprocess.Popen, timeout: float = 60.0) -> dict:
+    """The controller's next JSON line. Reads raw chunks and splits lines itself: select()
+    on a buffered reader misses a second line that arrived in the same chunk."""
+    fd = p.stdout.fileno()
+    buf = _pending.get(fd, b"")
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not select.select([p.stdout], [], [], deadline - time.monotonic())[0]:
-            break
-        line = p.stdout.readline()
-        if not line:
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            line = line.strip()
+            if line.startswith(b"{"):
+                _pending[fd] = buf
+                return json.loads(line)
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError("controller did not answer in time")
+        chunk = os.read(fd, 65536)
+        if not chunk:
             raise AssertionError(f"controller exited early (code {p.poll()})")
-        line = line.strip()
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError("controller did not answer in time")
+        buf += chunk
 
 
 def test_mesh_across_two_hosts_calls_slices_crosses_and_loses_a_host(two_hosts, tmp_path):

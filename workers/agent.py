@@ -324,14 +324,14 @@ class HostAgent:
             keys.append(self._fork(p.mesh_id, p.mesh_name, p.rank, None, None, sink, p.rank))
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys, "old": old_keys}
 
-    def op_ready(self, ident, req, key, pid, work, ctrl):
+    def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id=""):
         """A proc reports it is up (sent from the proc's own agent link)."""
         p = self.procs.get(key)
         if p is None:
             return
         p.ident, p.state, p.pid = ident, "alive", pid
         self.by_pid[pid] = p
-        p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr)
+        p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr, work_ipc, ctrl_ipc, host_id)
         for sid, sp in list(self.spawns.items()):
             if all(self.procs[k].state == "alive" for k in sp["keys"] if k in self.procs):
                 del self.spawns[sid]

@@ -22,7 +22,7 @@ import zmq
 from monarch_kernel.core import wire
 from monarch_kernel.core.context import _CTX, ActorInstance, Context
 from monarch_kernel.core.errors import ActorError, MeshFailure, SupervisionError
-from monarch_kernel.core.runtime import Runtime, install_runtime
+from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
@@ -79,7 +79,7 @@ class ProcWorker:
         self.host = cfg["host"]
         self.mesh_name = cfg["mesh_name"]
         self.agent = cfg["agent"]
-        self.sink = (cfg["sink"], self.key) if cfg.get("sink") else None
+        self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
         self.owned: dict[str, tuple[str, set]] = {}   # child actor mesh id -> (owner id, proc keys)
         self.work = rt.ctx.socket(zmq.PULL)
@@ -87,6 +87,8 @@ class ProcWorker:
         self.work.setsockopt(zmq.LINGER, 0)
         self.work.bind(f"tcp://{cfg['bind']}:*")
         self.work_addr = self.work.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.work_ipc = ipc_name("work")
+        self.work.bind(self.work_ipc)
         self.busy_call = None   # (reply_to, call_id) of what the main thread runs now
         self.active: list[str] = []                 # actors running sync code on the main thread
         self.deferred: collections.deque = collections.deque()   # their messages, kept for later
@@ -122,7 +124,7 @@ class ProcWorker:
 
     # ---------------------------------------------------------------- I/O-thread notices
     def _on_sink(self, link, addr, key):
-        self.sink = (addr, key) if addr else None
+        self.sink = (self.rt.learn_contact(addr), key) if addr else None
 
     def _on_interrupt(self, msg):
         _, call_id = msg
@@ -164,7 +166,7 @@ class ProcWorker:
     def serve(self) -> int:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
         self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
-                           self.rt.address)
+                           self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id)
         self.rt.nested_work = (work, self._nested_work)
         self.rt.nested_thread = threading.get_ident()
         deferred = self.deferred

@@ -47,7 +47,7 @@ class HostMesh:
         rt = runtime()
         rt.keyring.add(key)
         _watch_replacements(rt)
-        futs = [rt.agent_request(a["addr"], key, "hello", rt.address) for a in agents]
+        futs = [rt.agent_request(a["addr"], key, "hello", rt.contact) for a in agents]
         self._infos = []
         for a, f in zip(agents, futs):
             try:
@@ -102,7 +102,7 @@ class HostMesh:
         mesh_id = uuid.uuid4().hex[:12]
         rt = runtime()
         futs = [rt.agent_request(a["addr"], self._key, "spawn", mesh_id, name,
-                                 list(range(h * per, (h + 1) * per)), labels, sizes, rt.address)
+                                 list(range(h * per, (h + 1) * per)), labels, sizes, rt.contact)
                 for h, a in enumerate(self._agents)]
         refs: list[ProcRef] = []
         for f in futs:
@@ -217,7 +217,7 @@ class HostMesh:
         by_agent: dict[str, list[ProcRef]] = {}
         for r in dead:
             by_agent.setdefault(r.agent, []).append(r)
-        futs = [(refs, rt.agent_request(addr, self._key, "respawn", [r.key for r in refs], rt.address))
+        futs = [(refs, rt.agent_request(addr, self._key, "respawn", [r.key for r in refs], rt.contact))
                 for addr, refs in by_agent.items()]
         replaced: list[tuple[ProcRef, ProcRef]] = []
         for old, f in futs:

@@ -47,6 +47,9 @@ class ProcRef(NamedTuple):
     work: str   # the proc's work inbox (its main thread: calls, spawns, cells)
     ctrl: str   # the proc's runtime inbox (its I/O thread: replies, interrupts, notices)
     agent: str  # address of the host agent that owns it
+    work_ipc: str = ""   # the same inboxes over ipc, for senders on the same host
+    ctrl_ipc: str = ""
+    host_id: str = ""    # which host (machine and network namespace) these ipc names live on
 
 
 class PendingCall:
@@ -152,6 +155,13 @@ class Runtime:
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.bind(f"tcp://{bind_host}:*")
         self.address = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # Peers on this host reach the inbox over ipc (an abstract socket: no file to leak,
+        # scoped to this network namespace), 5-30 us quicker a round trip than tcp here.
+        self.host_id = host_id()
+        self.ipc_address = ipc_name("inbox")
+        self.inbox.bind(self.ipc_address)
+        self.ipc_alias: dict[str, str] = {}   # tcp address -> ipc address, for same-host peers
+        self.contact = [self.address, self.ipc_address, self.host_id]   # how peers reach us
         self.bind_host = bind_host
         self._tls = threading.local()
         self._all_senders: list[zmq.Socket] = []
@@ -204,7 +214,7 @@ class Runtime:
             s = self.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.LINGER, 2000)
-            s.connect(addr)
+            s.connect(self.ipc_alias.get(addr, addr))
             socks[addr] = s
             self._all_senders.append(s)
         return s
@@ -274,6 +284,19 @@ class Runtime:
         self.keyring.add(key)
         for r in refs:
             self.procs[r.key] = (r, key)
+            if r.host_id and r.host_id == self.host_id and r.work_ipc:
+                self.ipc_alias[r.work] = r.work_ipc
+                self.ipc_alias[r.ctrl] = r.ctrl_ipc
+
+    def learn_contact(self, contact):
+        """A peer's ``contact`` ([tcp, ipc, host id], or a bare address) -> its tcp address,
+        remembering the ipc alias when the peer shares our host."""
+        if isinstance(contact, (list, tuple)):
+            addr, ipc, hid = contact
+            if ipc and hid == self.host_id:
+                self.ipc_alias[addr] = ipc
+            return addr
+        return contact
 
     # ----------------------------------------------------------------- waiting on the inbox
     def wait_for(self, fut: Future, timeout: float | None) -> None:
@@ -597,6 +620,26 @@ def _ms_left(deadline: float | None, fut: Future, timeout) -> int:
     if ms <= 0:
         raise fut._timeout_error(timeout)
     return ms
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """This machine (boot id) and network namespace: where an abstract ipc name resolves."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            _HOST_ID = f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
+        except OSError:
+            _HOST_ID = ""
+    return _HOST_ID
+
+
+def ipc_name(what: str) -> str:
+    return f"ipc://@monarch-kernel-{os.getpid()}-{what}-{uuid.uuid4().hex[:8]}"
 
 
 def _ignore(msg) -> None:

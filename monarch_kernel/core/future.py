@@ -163,9 +163,3 @@ class Future(Generic[T]):
 def _short(v, n=60):
     r = repr(v)
     return r if len(r) <= n else r[: n - 3] + "..."
-
-
-def completed(value) -> Future:
-    f = Future()
-    f.set_result(value)
-    return f

@@ -23,7 +23,7 @@ from .connection import (
 from .errors import MeshFailure, MeshGoneError
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
 from .runtime import ProcRef, runtime
-from .shape import Extent, MeshView
+from .shape import Extent
 
 log = logging.getLogger("monarch_kernel")
 
@@ -378,7 +378,3 @@ def attach_to_workers(addresses: list[str], key: bytes | str, name: str = "worke
     agents = [{"addr": a if a.startswith("tcp://") else f"tcp://{a}", "host": a, "pid": None}
               for a in addresses]
     return HostMesh(agents, key, name, local=False)
-
-
-def proc_mesh_view(st: ProcMeshState) -> MeshView:
-    return MeshView(st.labels, st.sizes)

@@ -13,7 +13,7 @@ from . import wire
 from .actors import Actor
 from .errors import ActorError, MeshFailure, MeshGoneError, SupervisionError
 from .future import Future
-from .runtime import ProcRef, Runtime, runtime
+from .runtime import PendingCall, ProcRef, Runtime, runtime
 from .shape import Extent, MeshView
 from .values import ValueMesh
 
@@ -355,7 +355,7 @@ class Endpoint:
                         f"ValueMesh), .call_one(...) (a single member), .choose(...), .stream(...) "
                         f"or .broadcast(...)")
 
-    def _send(self, ranks, extent, mode, args, kwargs, reply=True) -> PendingCallLike:
+    def _send(self, ranks, extent, mode, args, kwargs, reply=True) -> PendingCall | None:
         am = self._mesh._state
         ps = am.proc_state
         rt = runtime()
@@ -429,9 +429,6 @@ class Endpoint:
         """Every member, fire and forget; a failure surfaces on a later interaction."""
         view = self._mesh._view
         self._send(view.ranks, view.extent, "mesh", args, kwargs, reply=False)
-
-
-PendingCallLike = object
 
 
 def _fail_if_dead(rt: Runtime, keys, pending):

@@ -240,14 +240,9 @@ class MeshMagics(Magics):
         args, run, cap = prepared
         try:
             try:
-                vm = await run.wait_async()
-            except ActorError as e:
-                if e.results is None:
-                    raise
-                vm = e.results
-            except SupervisionError as e:
-                raise _died(e)
-            values = vm.values()
+                values = (await run.wait_async()).values()
+            except (ActorError, SupervisionError) as e:
+                values = _partial_values(e)
         finally:
             self.router.end(cap)
         return self._result(args, run, values)
@@ -279,14 +274,19 @@ class MeshMagics(Magics):
 
 def _values(wait) -> list:
     try:
-        vm = wait()
-    except ActorError as e:
-        if e.results is None:
-            raise
-        vm = e.results
-    except SupervisionError as e:
+        return wait().values()
+    except (ActorError, SupervisionError) as e:
+        return _partial_values(e)
+
+
+def _partial_values(e: ActorError | SupervisionError) -> list:
+    """A cell that failed on some ranks still gives every rank's outcome (ActorError carries
+    them); a dead proc becomes the grouped cell error. Anything else propagates."""
+    if isinstance(e, SupervisionError):
         raise _died(e)
-    return vm.values()
+    if e.results is None:
+        raise e
+    return e.results.values()
 
 
 def _died(e: SupervisionError):

@@ -209,13 +209,17 @@ class Runtime:
         socks = getattr(self._tls, "socks", None)
         if socks is None:
             socks = self._tls.socks = {}
-        s = socks.get(addr)
+        # Keyed by where we really connect: a tcp port can be reused by a new proc on this
+        # host with a new ipc name, and a socket cached by the tcp address would still send
+        # to the old one.
+        target = self.ipc_alias.get(addr, addr)
+        s = socks.get(target)
         if s is None:
             s = self.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.LINGER, 2000)
-            s.connect(self.ipc_alias.get(addr, addr))
-            socks[addr] = s
+            s.connect(target)
+            socks[target] = s
             self._all_senders.append(s)
         return s
 

@@ -15,7 +15,7 @@ import time
 import cloudpickle
 import pytest
 
-from monarch_kernel.actor import Actor, SupervisionError, endpoint, this_host
+from monarch_kernel.actor import Actor, ActorError, SupervisionError, endpoint, this_host
 from monarch_kernel.core.errors import MeshGoneError
 from monarch_kernel.core.runtime import runtime
 
@@ -123,3 +123,44 @@ def test_requests_to_a_killed_host_fail_at_once_naming_the_mesh_and_this_host_st
         assert hm2.spawn_procs(per_host={"gpus": 1}).spawn("c", Counter).bump.call().get(30).values() == [1]
     finally:
         hm2.shutdown()
+
+
+# ---------------------------------------------------------------- 4. exceptions we cannot rebuild
+class TwoArgError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")   # args == ("1 and 2",): cls(*args) fails on unpickle
+
+
+class Raiser(Actor):
+    @endpoint
+    def two_args(self) -> None:
+        raise TwoArgError(1, 2)
+
+    @endpoint
+    def worker_only(self, folder: str) -> None:
+        sys.path.insert(0, folder)
+        import worker_only_module
+
+        raise worker_only_module.WorkerOnlyError("only the worker can import me")
+
+    @endpoint
+    def fine(self) -> int:
+        return 7
+
+
+def test_exceptions_the_controller_cannot_rebuild_fail_the_call_with_the_remote_traceback(tmp_path):
+    (tmp_path / "worker_only_module.py").write_text("class WorkerOnlyError(Exception):\n    pass\n")
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="raisers")
+    try:
+        r = pm.spawn("r", Raiser)
+        with pytest.raises(ActorError) as two:
+            r.two_args.call_one().get(15)
+        assert two.value.exc_type == "TwoArgError" and "raise TwoArgError(1, 2)" in two.value.remote_traceback
+        assert "could not be rebuilt" in two.value.cause_error
+        with pytest.raises(ActorError) as only:
+            r.worker_only.call_one(str(tmp_path)).get(15)
+        assert "WorkerOnlyError: only the worker can import me" in only.value.remote_traceback
+        assert "No module named 'worker_only_module'" in only.value.cause_error
+        assert r.fine.call_one().get(15) == 7
+    finally:
+        pm.stop()

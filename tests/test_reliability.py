@@ -164,3 +164,52 @@ def test_exceptions_the_controller_cannot_rebuild_fail_the_call_with_the_remote_
         assert r.fine.call_one().get(15) == 7
     finally:
         pm.stop()
+
+
+# ---------------------------------------------------------------- 7. no fd leak per stopped proc
+def test_spawn_and_stop_cycles_leave_the_controller_fd_count_flat():
+    out = _run_script("""
+        import os, resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        from monarch_kernel.actor import Actor, endpoint, this_host
+        class A(Actor):
+            @endpoint
+            def ping(self): return 1
+        hm = this_host()
+        def cycle():
+            pm = hm.spawn_procs(per_host={"gpus": 2})
+            pm.spawn("a", A).ping.call().get(10)
+            pm.stop()
+        cycle()
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(60):
+            cycle()
+        print("FDS", before, len(os.listdir("/proc/self/fd")))
+        """, timeout=120)
+    before, after = map(int, out.split("FDS")[1].split())
+    assert after - before <= 2, f"{after - before} fds leaked over 60 spawn/stop cycles of 2 procs"
+
+
+# ---------------------------------------------------------------- 10. the CPU column
+class Spinner(Actor):
+    @endpoint
+    def spin(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+
+def test_status_cpu_column_shows_a_busy_rank_busy_and_an_idle_one_idle():
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="spinners")
+    try:
+        s = pm.spawn("s", Spinner)
+        busy = s.slice(gpus=0).spin.call(3.0)
+        time.sleep(0.5)
+        this_host().status()
+        time.sleep(1.0)
+        rows = {r["rank"]: r for r in this_host().status() if r["mesh"] == "spinners"}
+        assert rows[0]["cpu"] > 30, rows
+        assert rows[1]["cpu"] < 30, rows
+        busy.get(10)
+    finally:
+        pm.stop()

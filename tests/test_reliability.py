@@ -213,3 +213,24 @@ def test_status_cpu_column_shows_a_busy_rank_busy_and_an_idle_one_idle():
         busy.get(10)
     finally:
         pm.stop()
+
+
+# ---------------------------------------------------------------- 11. stopped actor meshes are gone
+def test_a_stopped_actor_mesh_is_gone_here_and_for_a_controller_that_attaches_later():
+    hm = this_host("stopped-actors-test", lease=60)
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 1}, name="pm")
+        kept, stopped = pm.spawn("kept", Counter), pm.spawn("stopped", Counter)
+        kept.bump.call().get(30)
+        stopped.stop()
+        assert sorted(pm.actor_meshes()) == ["kept"]
+        out = _run_script("""
+            from monarch_kernel.actor import attach
+            hm = attach("stopped-actors-test")
+            pm = hm.proc_mesh("pm")
+            print("ACTORS", sorted(pm.actor_meshes()))
+            hm.detach()
+            """)
+        assert "ACTORS ['kept']" in out, out
+    finally:
+        hm.shutdown()

@@ -113,6 +113,12 @@ def test_same_error_on_every_rank_is_shown_once_with_the_cells_lines(k):
     assert "on mesh>\", line 2" in tb and "1 / 0" in tb
 
 
+def test_a_mesh_cell_is_named_after_its_own_prompt_number(k):
+    r = k.run("%%on_mesh --ranks 0\n1 / 0")
+    n = r.reply["content"]["execution_count"]
+    assert f'File "<In [{n}] on mesh>", line 1' in "\n".join(r.error["traceback"])   # was In [n+1]
+
+
 def test_differing_errors_each_once_and_other_ranks_results_kept(k):
     r = k.run("%%on_mesh\nif rank == 0: raise ValueError('bad zero')\n"
               "if rank == 1: raise KeyError('k')\nrank + 100")

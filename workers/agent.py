@@ -400,7 +400,9 @@ class HostAgent:
 
     def op_register_actor(self, ident, req, mesh_id, actor_id, record):
         m = self.registry.get(mesh_id)
-        if m is not None:
+        if m is not None and record is None:
+            m.get("actors", {}).pop(actor_id, None)   # stopped: gone for later controllers too
+        elif m is not None:
             m.setdefault("actors", {})[actor_id] = record
         self.reply(ident, req, True, None)
 

@@ -203,10 +203,10 @@ class HostMesh:
                                 f"attach({self.name!r}) to use it again")
 
     # ------------------------------------------------------------------ internals used by ProcMesh
-    def _register_actor(self, st: ProcMeshState, am: ActorMeshState) -> None:
+    def _register_actor(self, st: ProcMeshState, am: ActorMeshState, forget: bool = False) -> None:
         rt = runtime()
         for addr in st.agents():
-            rt.agent_send(addr, self._key, "register_actor", st.id, am.id, am.record())
+            rt.agent_send(addr, self._key, "register_actor", st.id, am.id, None if forget else am.record())
 
     def _mark_stopped(self, st: ProcMeshState, why: str) -> None:
         rt = runtime()

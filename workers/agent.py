@@ -42,6 +42,7 @@ import zmq
 from monarch_kernel.core import wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef
+from monarch_kernel.telemetry.agent import AgentTelemetry
 
 log = logging.getLogger("monarch_kernel.agent")
 
@@ -98,6 +99,7 @@ class HostAgent:
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
         self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
+        self.telemetry = AgentTelemetry(self)   # samples, proc events, logs (ops tel_*; see its module)
 
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
@@ -128,6 +130,7 @@ class HostAgent:
                 elif sock == zfd:
                     self._read_zygote(zfd)
             self._check_liveness()
+            self.telemetry.tick(time.monotonic())
         self.shutdown()
 
     def _drain_router(self):
@@ -144,6 +147,8 @@ class HostAgent:
             handler = getattr(self, "op_" + op, None)
             if handler is None and op.startswith("sync_"):
                 handler = functools.partial(self._sync_op, op)
+            if handler is None and op.startswith("tel_"):
+                handler = functools.partial(self.telemetry.handle, op)
             if handler is None:
                 self.reply(ident, req, False, ValueError(f"unknown agent op {op!r}"))
                 continue
@@ -219,7 +224,7 @@ class HostAgent:
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
                "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
                "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
-               "sync": self._sync().proc_setup()}
+               "sync": self._sync().proc_setup(), **self.telemetry.proc_config(mesh_name, rank)}
         if self.zygote_ready:
             self._write_zygote({"op": "fork", "cfg": cfg})
         else:
@@ -233,6 +238,7 @@ class HostAgent:
         was = p.state
         p.state = "dead"
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        self.telemetry.proc_exited(p, pid, how, stopping=was == "stopping")
         if was == "stopping":
             self.procs.pop(p.key, None)
             return
@@ -322,6 +328,7 @@ class HostAgent:
                 raise ValueError(f"proc {old} is not dead here; only dead procs are respawned")
             self.procs.pop(old)
             keys.append(self._fork(p.mesh_id, p.mesh_name, p.rank, None, None, sink, p.rank))
+        self.telemetry.expect_respawn(keys)
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys, "old": old_keys}
 
     def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id=""):
@@ -332,6 +339,7 @@ class HostAgent:
         p.ident, p.state, p.pid = ident, "alive", pid
         self.by_pid[pid] = p
         p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr, work_ipc, ctrl_ipc, host_id)
+        self.telemetry.proc_ready(p)
         for sid, sp in list(self.spawns.items()):
             if all(self.procs[k].state == "alive" for k in sp["keys"] if k in self.procs):
                 del self.spawns[sid]
@@ -378,6 +386,7 @@ class HostAgent:
 
     def shutdown(self):
         self._stop_procs(list(self.procs.values()), grace=0.5)
+        self.telemetry.shutdown()
         try:
             self._write_zygote({"op": "exit"})
         except (BrokenPipeError, ValueError):

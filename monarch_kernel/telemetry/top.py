@@ -12,9 +12,11 @@ from __future__ import annotations
 import html
 import threading
 import time
+import weakref
 
 MAX_RUN_S = 3600.0
 BAR_W = 120
+SHOWN: weakref.WeakSet = weakref.WeakSet()   # the views shown in this kernel (tests look at them)
 
 
 class MeshTop:
@@ -98,6 +100,7 @@ class MeshTop:
         bundle["text/plain"] = self.summary()
         self._handle = display(bundle, raw=True, display_id=True)
         self.open = True
+        SHOWN.add(self)
         threading.Thread(target=self._run, name="mesh-top", daemon=True).start()
 
     def _run(self) -> None:

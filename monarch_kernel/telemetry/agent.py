@@ -53,6 +53,8 @@ class AgentTelemetry:
         self.respawning.update(keys)
 
     def proc_ready(self, p) -> None:
+        if self.interval <= 0:
+            self.agent.send(p.ident, ("ev", "tel_enable", False))
         event = "respawned" if p.key in self.respawning else "spawned"
         self.respawning.discard(p.key)
         self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, p.pid, event, p.key))
@@ -107,6 +109,9 @@ class AgentTelemetry:
         """Sampling period in seconds; 0 turns sampling (and call-record collection) off."""
         self.interval = float(interval)
         self.next_sample = 0.0
+        for p in self.agent.procs.values():   # procs record calls only while someone collects them
+            if p.state == "alive" and p.ident is not None:
+                self.agent.send(p.ident, ("ev", "tel_enable", self.interval > 0))
         self.agent.reply(ident, req, True, None)
 
     def op_tel_calls(self, ident, req, calls: list, cells: list) -> None:

@@ -132,6 +132,28 @@ def _matching_lines(path: Path, pattern: re.Pattern | None, start: int = 0):
                 pos = b + 1
 
 
+def _last_lines(files: list[Path], n: int) -> list[bytes]:
+    """The last ``n`` lines across ``files`` (oldest first), reading only their ends."""
+    out: list[bytes] = []
+    for path in reversed(files):
+        size = path.stat().st_size
+        want = 256 * (n + 1)
+        while True:
+            with open(path, "rb") as f:
+                f.seek(max(0, size - want))
+                data = f.read()
+            lines = data.splitlines()
+            if want < size:
+                lines = lines[1:]   # the first may be cut
+            if len(lines) >= n - len(out) or want >= size:
+                break
+            want *= 4
+        out = lines[-(n - len(out)):] + out if n > len(out) else out
+        if len(out) >= n:
+            break
+    return out
+
+
 def search(folder: Path, mesh: str | None = None, ranks: set[int] | None = None, grep: str | None = None,
            tail: int | None = None, since: dict | None = None) -> dict:
     """Lines of the wanted ranks, in time order. ``tail``: only the last N (after ``grep``).
@@ -142,6 +164,13 @@ def search(folder: Path, mesh: str | None = None, ranks: set[int] | None = None,
     cursor: dict[str, tuple[int, int]] = {}
     total = 0
     for (m, rank), files in rank_files(folder, mesh, ranks).items():
+        if pattern is None and since is None and tail is not None:   # no need to read it all
+            for raw in _last_lines(files, tail):
+                total += 1
+                line = _parse(raw, m, rank)
+                if line is not None:
+                    lines.append(line)
+            continue
         for path in files:
             st = path.stat()
             start = 0

@@ -28,11 +28,15 @@ class ProcTelemetry:
                 self.log = ProcLogFile(cfg["log_path"])
             except OSError as e:   # a read-only home must not stop the proc
                 sys.__stderr__.write(f"monarch_kernel: rank {self.rank} keeps no log file ({e})\n")
+        self.enabled = True   # off while the agent's sampling is off (tel_config 0)
         worker.rt.agent_event_handlers["tel_pull"] = self._on_pull
+        worker.rt.agent_event_handlers["tel_enable"] = self._on_enable
 
     def record_call(self, actor: str, endpoint: str, args: tuple, started: float, seconds: float, ok: bool,
                     value) -> None:
         """A finished endpoint call (the main thread, after the call, before its reply)."""
+        if not self.enabled:
+            return
         if actor == CELL_ACTOR:
             if endpoint == "run":   # run(code, filename, ...); a failed cell returns a CellFailure
                 cell = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
@@ -40,6 +44,9 @@ class ProcTelemetry:
                 self.cells.append((started, self.mesh, self.rank, cell, seconds, ok and not failed))
             return
         self.calls.append((started, self.mesh, self.rank, actor, endpoint, seconds, ok))
+
+    def _on_enable(self, link, on: bool):
+        self.enabled = bool(on)
 
     def _on_pull(self, link):
         """On the proc's I/O thread: send what was recorded since the last pull."""

@@ -26,6 +26,7 @@ else:
     _EARLY_ZYGOTE = None
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ import zmq
 from monarch_kernel.core import wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
+from monarch_kernel.telemetry.agent import AgentTelemetry
 
 log = logging.getLogger("monarch_kernel.agent")
 
@@ -109,6 +111,7 @@ class HostAgent:
         os.set_blocking(self.sync_wake_r, False)
         self.sync_thread: threading.Thread | None = None
         self._load_sync_setup()
+        self.telemetry = AgentTelemetry(self)   # samples, proc events, logs (ops tel_*; see its module)
 
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
@@ -142,6 +145,7 @@ class HostAgent:
                 elif sock == self.sync_wake_r:
                     self._send_sync_replies()
             self._check_liveness()
+            self.telemetry.tick(time.monotonic())
         self.shutdown()
 
     def _drain_router(self):
@@ -159,6 +163,8 @@ class HostAgent:
             if handler is None and op.startswith("sync_"):
                 self._queue_sync_op(ident, req, op, args)
                 continue
+            if handler is None and op.startswith("tel_"):
+                handler = functools.partial(self.telemetry.handle, op)
             if handler is None:
                 self.reply(ident, req, False, ValueError(f"unknown agent op {op!r}"))
                 continue
@@ -234,7 +240,7 @@ class HostAgent:
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
                "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
                "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
-               "sync": self.sync_setup}
+               "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank)}
         if self.zygote_ready:
             self._write_zygote({"op": "fork", "cfg": cfg})
         else:
@@ -248,6 +254,7 @@ class HostAgent:
         was = p.state
         p.state = "dead"
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        self.telemetry.proc_exited(p, pid, how, stopping=was == "stopping")
         if was == "stopping":
             self.procs.pop(p.key, None)
             return
@@ -376,6 +383,7 @@ class HostAgent:
                 raise ValueError(f"proc {old} is not dead here; only dead procs are respawned")
             self.procs.pop(old)
             keys.append(self._fork(p.mesh_id, p.mesh_name, p.rank, None, None, sink, p.rank))
+        self.telemetry.expect_respawn(keys)
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys, "old": old_keys}
 
     def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id=""):
@@ -386,6 +394,7 @@ class HostAgent:
         p.ident, p.state, p.pid = ident, "alive", pid
         self.by_pid[pid] = p
         p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr, work_ipc, ctrl_ipc, host_id)
+        self.telemetry.proc_ready(p)
         for sid, sp in list(self.spawns.items()):
             if all(self.procs[k].state == "alive" for k in sp["keys"] if k in self.procs):
                 del self.spawns[sid]
@@ -452,6 +461,7 @@ class HostAgent:
 
     def shutdown(self):
         self._stop_procs(list(self.procs.values()), grace=0.5)
+        self.telemetry.shutdown()
         if self.sync_thread is not None:
             self.sync_jobs.put(None)
             self.sync_thread.join(5)

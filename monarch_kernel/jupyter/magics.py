@@ -37,7 +37,8 @@ from .on_mesh import _Run, cell_run_args, outcome, select, supervision_message
 from .output import OutputRouter
 from .session import NotConnected, session
 
-OPTIONAL_COMMANDS = {"sync": "monarch_kernel.sync.magic", "debug": "monarch_kernel.debug.magic"}
+OPTIONAL_COMMANDS = {"sync": "monarch_kernel.sync.magic", "debug": "monarch_kernel.debug.magic",
+                     "logs": "monarch_kernel.telemetry.magic", "top": "monarch_kernel.telemetry.magic"}
 
 
 class MagicArgumentParser(argparse.ArgumentParser):

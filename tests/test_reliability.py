@@ -53,7 +53,7 @@ def _run_script(code: str, timeout: float = 90, env: dict | None = None) -> str:
 def test_a_frozen_host_agent_comes_back_with_its_procs_and_state_and_reports_what_failed():
     hm = this_host("stall-test", lease=60)
     try:
-        pm = hm.spawn_procs(per_host={"gpus": 2})
+        pm = hm.spawn_procs(per_host={"gpus": 2}, name="stalled")
         c = pm.spawn("c", Counter)
         assert c.bump.call().get(30).values() == [1, 1]
         agent = hm._agents[0]["pid"]
@@ -200,19 +200,20 @@ class Spinner(Actor):
 
 
 def test_status_cpu_column_shows_a_busy_rank_busy_and_an_idle_one_idle():
-    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="spinners")
+    hm = this_host("cpu-column-test", lease=60)   # its own agent: other tests see none of its events
     try:
+        pm = hm.spawn_procs(per_host={"gpus": 2}, name="spinners")
         s = pm.spawn("s", Spinner)
         busy = s.slice(gpus=0).spin.call(3.0)
         time.sleep(0.5)
-        this_host().status()
+        hm.status()
         time.sleep(1.0)
-        rows = {r["rank"]: r for r in this_host().status() if r["mesh"] == "spinners"}
+        rows = {r["rank"]: r for r in hm.status() if r["mesh"] == "spinners"}
         assert rows[0]["cpu"] > 30, rows
         assert rows[1]["cpu"] < 30, rows
         busy.get(10)
     finally:
-        pm.stop()
+        hm.shutdown()
 
 
 # ---------------------------------------------------------------- 11. stopped actor meshes are gone

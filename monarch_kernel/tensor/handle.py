@@ -227,6 +227,10 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
         device, margs, mkwargs = _device_move(name, device, margs, mkwargs)
         if name != "to":
             fn, name = "to", "to"
+    key = _cache_key(fn, name, args, kwargs) if meta_fn is None else None
+    hit = _META_CACHE.get(key) if key is not None else None
+    if hit is not None:
+        return _issue_cached(engine, hit, fn, args, kwargs, handles, device, label)
     try:
         if meta_fn is not None:
             result = meta_fn(*margs, **mkwargs)
@@ -245,8 +249,12 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
     if isinstance(result, torch.Tensor):
         same = next((h for h in handles if h._meta is result), None)
         if same is not None:   # in-place: the same handle, the same tensor on the ranks
+            if key is not None and name in _SAME_META_INPLACE:
+                _remember(key, ("inplace", handles.index(same)))
             engine.submit(same._id, fn, rargs, rkwargs, label)
             return same
+        if key is not None:
+            _remember(key, ("new", result.shape, result.dtype))
         out = DistributedTensor(engine, engine.new_id(), result, device)
         engine.submit(out._id, fn, rargs, rkwargs, label)
         return out
@@ -255,6 +263,67 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
         engine.submit(tuple(o._id for o in outs), fn, rargs, rkwargs, label)
         return type(result)(outs) if type(result) in (tuple, list) else tuple(outs)
     return result   # shape arithmetic the meta tensor answers (size(), dim(), ...)
+
+
+# ---------------------------------------------------------------- the meta-result cache
+# Meta kernels of even ``a + 1`` run through Python refs (about 1 ms): the result's shape and
+# dtype are remembered per (op, operand shapes/dtypes, other arguments). For elementwise
+# ops a Python scalar counts by its type only (its value cannot change shape or dtype).
+_META_CACHE: dict = {}
+_META_CACHE_MAX = 4096
+_ELEMENTWISE = {f"__{n}__" for n in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv",
+                                      "iadd", "isub", "imul", "itruediv", "pow", "rpow", "neg", "abs")} | {
+    "add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_", "relu", "exp", "log", "sqrt", "tanh",
+    "sigmoid", "sin", "cos", "neg", "abs", "relu_", "clamp"}
+_SAME_META_INPLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_",
+                      "relu_", "zero_", "fill_", "copy_", "clamp_", "normal_", "uniform_"}
+
+
+def _cache_key(fn, name, args, kwargs):
+    elementwise = name in _ELEMENTWISE
+    parts = [fn]
+    for a in (*args, *kwargs.items()):
+        t = type(a)
+        if t is DistributedTensor:
+            m = a._meta
+            parts.append((m.shape, m.dtype))
+        elif t in (int, float, bool, complex):
+            parts.append(t if elementwise else (t, a))
+        elif t is tuple and kwargs and a in kwargs.items():
+            k, v = a
+            if type(v) is DistributedTensor:
+                parts.append((k, v._meta.shape, v._meta.dtype))
+            elif v is None or type(v) in (int, float, bool, str, torch.dtype):
+                parts.append(a)
+            else:
+                return None
+        elif a is None or t in (str, torch.dtype) or (t is tuple and all(type(x) is int for x in a)):
+            parts.append((t, a))
+        elif t is slice and all(x is None or type(x) is int for x in (a.start, a.stop, a.step)):
+            parts.append((a.start, a.stop, a.step))
+        else:
+            return None
+    try:
+        return tuple(parts)
+    except TypeError:
+        return None
+
+
+def _remember(key, value) -> None:
+    if len(_META_CACHE) >= _META_CACHE_MAX:
+        _META_CACHE.clear()
+    _META_CACHE[key] = value
+
+
+def _issue_cached(engine, hit, fn, args, kwargs, handles, device, label):
+    rargs, rkwargs = _swap(args, _ref), {k: _swap(v, _ref) for k, v in kwargs.items()}
+    if hit[0] == "inplace":
+        same = handles[hit[1]]
+        engine.submit(same._id, fn, rargs, rkwargs, label)
+        return same
+    out = DistributedTensor(engine, engine.new_id(), torch.empty(hit[1], dtype=hit[2], device="meta"), device)
+    engine.submit(out._id, fn, rargs, rkwargs, label)
+    return out
 
 
 def _rebuildable(e: Exception) -> bool:

@@ -358,7 +358,7 @@ def _device_move(name, device, margs, mkwargs):
 def _run_and_fetch(engine: TensorEngine, fn, args, kwargs, label):
     tid = engine.new_id()
     rargs, rkwargs = _swap(args, _ref), {k: _swap(v, _ref) for k, v in kwargs.items()}
-    engine.submit(tid, fn, rargs, rkwargs, label)
+    engine.submit(tid, "data", (fn, *rargs), rkwargs, label)
     try:
         return engine.fetch(tid, "value", 0)
     finally:

@@ -345,4 +345,12 @@ _SPECIAL = {
     "factory": TensorWorker._factory,
     "full_tensor": TensorWorker._full,
     "getattr": lambda self, obj, name: getattr(obj, name),
+    "data": lambda self, fn, *args, **kwargs: _on_whole(fn, args, kwargs),
 }
+
+
+def _on_whole(fn, args, kwargs):
+    """A data-dependent result (``item()``, ``torch.equal``): computed on whole tensors
+    (a Partial sum's ``item()`` would otherwise be this rank's part)."""
+    args = [a.full_tensor() if hasattr(a, "full_tensor") else a for a in args]
+    return getattr(args[0], fn)(*args[1:], **kwargs) if type(fn) is str else fn(*args, **kwargs)

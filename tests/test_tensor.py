@@ -137,3 +137,32 @@ def test_freed_handles_free_remote_memory_over_ten_thousand_ops(procs):
     assert h.full_tensor()[0, 0].item() == 10_001
     counts = [s["tensors"] for s in h._engine.fetch(None, "stats", None)]
     assert max(counts) < 300, counts
+
+
+def test_mixing_meshes_a_dead_rank_and_a_stopped_mesh_are_clear_errors(procs):
+    import os
+    import signal
+    import time
+
+    other = this_host().spawn_procs(per_host={"gpus": 2}, name="tensor-other")
+    try:
+        theirs = other.distribute(torch.ones(4), placements=[Shard(0)])
+        ours = procs.distribute(torch.ones(4), placements=[Shard(0)])
+        with pytest.raises(ValueError, match="different meshes .'tensor-tests' and 'tensor-other'"):
+            ours + theirs
+        os.kill(other.procs()[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not other.dead_ranks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(TensorOpError, match="rank 1 of mesh 'tensor-other' died.*respawn"):
+            theirs + 1
+        other.respawn()   # a new group for the whole mesh; the old handles say they are gone
+        with pytest.raises(TensorOpError, match="made before mesh 'tensor-other' formed a new process group"):
+            theirs + 1
+        again = other.distribute(torch.ones(4), placements=[Shard(0)])
+        assert (again * 2).full_tensor().tolist() == [2.0] * 4
+    finally:
+        other.stop()
+    with pytest.raises(Exception, match="'tensor-other' was stopped"):
+        again + 1
+    assert (ours + 1).full_tensor().tolist() == [2.0] * 4

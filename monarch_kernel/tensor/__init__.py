@@ -7,56 +7,33 @@
 
 The process group is formed on first use (``mesh.init_process_group()`` chooses it
 explicitly). Handles passed to actor endpoints arrive there as the local shard.
+
+Names load on first use, so a proc that only needs a process group (``%mesh connect
+--dist``) never imports DTensor.
 """
 from __future__ import annotations
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+import importlib
 
-from ..core.future import Future
-from .engine import TensorOpError
-from .handle import DistributedTensor
-from .layout import coords
-
-
-def _rank_of(h: DistributedTensor, shard: dict | None, kwargs: dict, what: str) -> int:
-    sel = {**(shard or {}), **kwargs}
-    st = h._engine.group.state
-    labels, sizes = st.labels, st.sizes
-    unknown = [k for k in sel if k not in labels]
-    if unknown:
-        raise ValueError(f"{what}: unknown mesh dims {unknown}; mesh '{st.name}' has "
-                         f"{', '.join(f'{k}={v}' for k, v in zip(labels, sizes))}")
-    missing = [k for k, s in zip(labels, sizes) if k not in sel and s > 1]
-    if missing:
-        raise ValueError(f"{what}: say which shard: give a coordinate for {', '.join(missing)}, e.g. "
-                         f"{what.split('(')[0]}(t, {missing[0]}=0)")
-    rank = 0
-    for k, s in zip(labels, sizes):
-        i = sel.get(k, 0)
-        if not isinstance(i, int) or not 0 <= i < s:
-            raise IndexError(f"{what}: {k}={i!r} is out of range 0..{s - 1}")
-        rank = rank * s + i
-    assert coords(rank, sizes) == tuple(sel.get(k, 0) for k in labels)
-    return rank
+_WHERE = {
+    "Partial": "torch.distributed.tensor", "Replicate": "torch.distributed.tensor",
+    "Shard": "torch.distributed.tensor", "TensorOpError": "monarch_kernel.tensor.engine",
+    "DistributedTensor": "monarch_kernel.tensor.handle", "fetch_shard": "monarch_kernel.tensor.fetch",
+    "inspect": "monarch_kernel.tensor.fetch",
+}
 
 
-def fetch_shard(obj: DistributedTensor, shard: dict | None = None, **kwargs) -> Future:
-    """A Future of the local shard held by the rank at ``shard``/``kwargs`` coordinates
-    (``fetch_shard(t, gpus=1)``); errors of earlier ops surface when it resolves."""
-    if not isinstance(obj, DistributedTensor):
-        raise TypeError(f"fetch_shard() takes a distributed tensor, got {type(obj).__name__}")
-    rank = _rank_of(obj, shard, kwargs, "fetch_shard()")
-    obj._engine.check_usable(obj._gen, "fetch_shard()")
-    return obj._engine.fetch_future(obj._id, "local", rank)
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'monarch_kernel.tensor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
 
 
-def inspect(obj, shard: dict | None = None, **kwargs):
-    """The value now: with coordinates, that rank's local shard; without, the whole tensor."""
-    if not isinstance(obj, DistributedTensor):
-        return obj
-    if shard or kwargs:
-        return fetch_shard(obj, shard, **kwargs).get()
-    return obj.full_tensor()
+def __dir__():
+    return sorted([*globals(), *_WHERE])
 
 
 __all__ = ["DistributedTensor", "Partial", "Replicate", "Shard", "TensorOpError", "fetch_shard", "inspect"]

@@ -235,3 +235,39 @@ def test_a_stopped_actor_mesh_is_gone_here_and_for_a_controller_that_attaches_la
         assert "ACTORS ['kept']" in out, out
     finally:
         hm.shutdown()
+
+
+# ---------------------------------------------------------------- 9. interrupting async endpoints
+class Sleeper(Actor):
+    def __init__(self):
+        self.cancelled = 0
+
+    @endpoint
+    async def wait_forever(self) -> None:
+        import asyncio
+
+        try:
+            await asyncio.sleep(1000)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    @endpoint
+    async def cancelled_count(self) -> int:
+        return self.cancelled
+
+
+def test_interrupt_cancels_a_stuck_async_endpoint_and_the_actor_serves_the_next_call():
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="sleepers")
+    try:
+        s = pm.spawn("s", Sleeper)
+        stuck = s.wait_forever.call()
+        time.sleep(0.3)
+        assert [st["state"] for st in pm.states().values()] == ["awaiting s.wait_forever"] * 2
+        pm.interrupt()
+        with pytest.raises(ActorError, match="interrupted: s.wait_forever was cancelled"):
+            stuck.get(10)
+        assert s.cancelled_count.call().get(10).values() == [1, 1]   # CancelledError ran in the endpoint
+        assert [st["state"] for st in pm.states().values()] == ["idle", "idle"]
+    finally:
+        pm.stop()

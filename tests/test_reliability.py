@@ -271,3 +271,35 @@ def test_interrupt_cancels_a_stuck_async_endpoint_and_the_actor_serves_the_next_
         assert [st["state"] for st in pm.states().values()] == ["idle", "idle"]
     finally:
         pm.stop()
+
+
+# ---------------------------------------------------------------- 2. spawn limits
+def _agent_children(hm) -> int:
+    import psutil
+
+    return len(psutil.Process(hm._agents[0]["pid"]).children(recursive=True)) - 1   # minus the zygote
+
+
+@pytest.mark.parametrize("env, match", [({"MONARCH_KERNEL_MAX_PROCS": "4"}, "holds at most 4"),
+                                        ({"MONARCH_KERNEL_PROC_MEM_MB": "100000000"}, "MB are available")])
+def test_a_spawn_the_host_cannot_hold_is_refused_before_forking_and_the_mesh_keeps_working(
+        monkeypatch, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)   # the agent started below reads them
+    hm = this_host("spawn-limit-test", lease=60)
+    try:
+        if "MONARCH_KERNEL_MAX_PROCS" in env:
+            kept = hm.spawn_procs(per_host={"gpus": 2}, name="kept").spawn("c", Counter)
+            kept.bump.call().get(30)
+            n_before = _agent_children(hm)
+        with pytest.raises(ValueError, match=match):
+            hm.spawn_procs(per_host={"gpus": 10000 if "MONARCH_KERNEL_MAX_PROCS" in env else 2})
+        time.sleep(0.5)
+        if "MONARCH_KERNEL_MAX_PROCS" in env:
+            assert _agent_children(hm) == n_before, "procs were forked for a refused spawn"
+            assert kept.bump.call().get(30).values() == [2, 2]
+            assert len(hm.spawn_procs(per_host={"gpus": 2}, name="more")) == 2   # within the cap: fine
+        else:
+            assert _agent_children(hm) == 0
+    finally:
+        hm.shutdown()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..core import hosts as hosts_mod
 from ..core.connection import check_name, connection_path, new_key, write_connection_file
-from ..core.errors import MeshGoneError
+from ..core.errors import MeshGoneError, SupervisionError
 from ..core.hosts import HostMesh
 
 log = logging.getLogger("monarch_kernel.job")
@@ -156,7 +156,7 @@ class JobTrait(ABC):
                 progress(f"{self.kind} job {self.job_id}: re-attaching to {len(self._agents)} hosts")
                 try:
                     return self._attach()
-                except MeshGoneError as e:
+                except (MeshGoneError, SupervisionError, TimeoutError) as e:
                     reason = f"its agents do not answer ({e})"
             if not renew:
                 raise self._gone_error(reason)
@@ -227,6 +227,7 @@ class JobTrait(ABC):
         self._agents = list(rec.get("agents") or [])
 
     def _attach(self) -> JobState:
+        _listen_towards(self._agents)
         hosts: dict[str, HostMesh] = {}
         try:
             for mesh in self._meshes:
@@ -265,6 +266,20 @@ class JobTrait(ABC):
     def __repr__(self):
         where = f"id {self.job_id}" if self._handle else "not applied"
         return f"<{type(self).__name__} {self.name!r} {self._meshes} ({where})>"
+
+
+def _listen_towards(agents: list[dict]) -> None:
+    """Make this process's runtime reachable from the job's hosts (it may have started on
+    loopback): listen on the local address that routes to them, or MONARCH_KERNEL_BIND."""
+    from ..core.runtime import is_local, runtime
+    from .rendezvous import controller_ip
+
+    remote = [a["addr"] for a in agents if a.get("addr") and not is_local(a["addr"])]
+    if remote:
+        host = remote[0].split("://", 1)[-1].rsplit(":", 1)[0]
+        ip = controller_ip(host)
+        if ip != "127.0.0.1":
+            runtime().listen_on(ip)
 
 
 def _read(path: Path) -> dict | None:

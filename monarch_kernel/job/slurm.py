@@ -23,6 +23,10 @@ from .rendezvous import Rendezvous, controller_ip
 
 _RUNNING = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"}
 _WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING"}
+# Pending reasons Slurm keeps a job for although it can never start it as asked (on a
+# cluster without EnforcePartLimits, sbatch accepts such a job): fail at once instead.
+_NEVER = {"PartitionConfig", "PartitionNodeLimit", "BadConstraints", "InvalidAccount", "InvalidQOS",
+          "PartitionDown", "PartitionInactive", "AssocMaxNodesPerJobLimit", "QOSMaxNodePerJobLimit"}
 
 
 def _run(args: list[str], *, input: str | None = None, env: dict | None = None,
@@ -118,8 +122,12 @@ class SlurmJob(JobTrait):
                 if st["state"] not in _RUNNING | _WAITING:
                     raise JobGoneError(f"slurm job {self.job_id} is {st['state']} ({st['reason']}) before its "
                                        "agents started")
+            if st["state"] in _WAITING and st["reason"] in _NEVER:
+                raise JobError(f"slurm job {self.job_id} cannot start as asked ({st['reason']}: more nodes, time or "
+                               "resources than the partition allows?); it was cancelled")
             if st["state"] in _WAITING:
-                line = f"slurm job {self.job_id}: queued ({st['reason']})"
+                why = f" ({st['reason']})" if st["reason"] not in ("", "None") else ""
+                line = f"slurm job {self.job_id}: queued{why}"
                 waited = now - start
                 if self.job_start_timeout is not None and waited > self.job_start_timeout:
                     raise JobError(f"slurm job {self.job_id} was still pending after {self.job_start_timeout:g} s "
@@ -143,13 +151,14 @@ class SlurmJob(JobTrait):
         """An address of one of the partition's nodes: the kernel listens where it routes."""
         if os.environ.get("MONARCH_KERNEL_BIND"):
             return os.environ["MONARCH_KERNEL_BIND"]
-        args = ["sinfo", "-h", "-N", "-o", "%o"] + ([f"--partition={self.partition}"] if self.partition else [])
-        r = _run(args)
-        addrs = [a for a in r.stdout.split() if a]
-        if r.returncode != 0 or not addrs:
-            raise JobError(f"sinfo found no nodes{' in partition ' + self.partition if self.partition else ''}: "
-                           f"{r.stderr.strip()}; set MONARCH_KERNEL_BIND to this machine's address on the "
-                           "cluster network")
+        r = _run(["sinfo", "-h", "-N", "-o", "%o", *([f"--partition={self.partition}"] if self.partition else [])])
+        addrs = r.stdout.split() if r.returncode == 0 else []
+        if not addrs:   # no such partition: any node will do; sbatch then says what is wrong
+            r = _run(["sinfo", "-h", "-N", "-o", "%o"])
+            addrs = r.stdout.split() if r.returncode == 0 else []
+        if not addrs:
+            raise JobError(f"sinfo lists no Slurm nodes ({r.stderr.strip() or 'none'}); is the cluster up? "
+                           "Set MONARCH_KERNEL_BIND to this machine's address on the cluster network")
         return addrs[0]
 
     # ------------------------------------------------------------------ squeue / scancel

@@ -26,6 +26,7 @@ from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
+from monarch_kernel.telemetry.worker import ProcTelemetry
 
 
 class ActorSlot:
@@ -105,9 +106,12 @@ class ProcWorker:
         rt.death_listeners.append(self._supervise_owned)
         self.stdout = ForwardingStream(self, "stdout")
         self.stderr = ForwardingStream(self, "stderr")
+        self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
+        if self.telemetry.log is not None:   # kept on the host too, attached or not
+            self.telemetry.log.write(stream, text)
         sink = self.sink
         if sink is None:
             (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
@@ -272,6 +276,7 @@ class ProcWorker:
         token = _CTX.set(slot.ctx)
         self.busy_call, self.state = (reply_to, call_id), f"in {slot.name}.{method}"
         self.active.append(aid)
+        started, t0 = time.time(), time.perf_counter()
         try:
             value, ok = getattr(slot.obj, method)(*args, **kwargs), True
         except BaseException as e:
@@ -280,6 +285,7 @@ class ProcWorker:
             self.active.pop()
             _CTX.reset(token)
             self.busy_call, self.state = None, "idle"
+        self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
         self._reply(reply_to, call_id, ok, value)
 
     def do_stop_actor(self, msg):
@@ -346,10 +352,12 @@ class ProcWorker:
     def _run_async(self, slot, method, args, kwargs, reply_to, call_id):
         async def run():
             _CTX.set(slot.ctx)
+            started, t0 = time.time(), time.perf_counter()
             try:
                 value, ok = await getattr(slot.obj, method)(*args, **kwargs), True
             except BaseException as e:
                 value, ok = self._error(e, f"{slot.name}.{method}"), False
+            self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
             self._reply(reply_to, call_id, ok, value)
 
         asyncio.run_coroutine_threadsafe(run(), self._event_loop())
@@ -374,6 +382,9 @@ def main(cfg: dict) -> int:
     global WORKER
     WORKER = worker
     debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
+    from monarch_kernel.jupyter.display_worker import use_on_this_rank
+
+    use_on_this_rank()   # display() and plt.show() reach the notebook, not the kernel's backend
     sys.stdout, sys.stderr = worker.stdout, worker.stderr
     try:
         return worker.serve()

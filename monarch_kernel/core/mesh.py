@@ -18,6 +18,9 @@ from .shape import Extent, MeshView
 from .values import ValueMesh
 
 SPAWN_TIMEOUT_S = 120.0
+# Called as ``hook(proc_mesh)`` after ``respawn()`` replaced dead procs (features that keep
+# per-mesh state on the procs register here, e.g. monarch_kernel.tensor re-forms its group).
+RESPAWN_HOOKS: list = []
 
 
 class ProcMeshState:
@@ -243,6 +246,8 @@ class ProcMesh(_Sliceable):
         if hm is None:
             raise MeshGoneError("respawn() is for the controller that spawned or attached this mesh")
         hm._respawn(st)
+        for hook in list(RESPAWN_HOOKS):
+            hook(self)
         return self
 
     def sync_workspace(self, paths=None, **kwargs):
@@ -250,6 +255,35 @@ class ProcMesh(_Sliceable):
         from ..sync import sync_workspace
 
         return sync_workspace(self, paths, **kwargs)
+
+    # torch.distributed and distributed tensors (monarch_kernel.tensor, imported on first use)
+    def init_process_group(self, backend: str | None = None, timeout: float | None = None) -> ProcMesh:
+        """torchrun's env and ``init_process_group`` on every proc (nccl with CUDA, else gloo)."""
+        from ..tensor.dist import init_process_group
+
+        return init_process_group(self, backend, timeout)
+
+    def distribute(self, tensor, placements=None):
+        """A handle to ``tensor`` laid out over this mesh (``placements``: one Shard(d) or
+        Replicate() per mesh dim); each rank holds its local DTensor."""
+        from ..tensor.handle import distribute
+
+        return distribute(self, tensor, placements)
+
+    def tensor(self, factory, placements=None):
+        """A handle to the tensor ``factory()`` makes on the ranks (rank 0's values), laid out
+        by ``placements``."""
+        from ..tensor.handle import from_factory
+
+        return from_factory(self, factory, placements)
+
+    @property
+    def telemetry(self):
+        """SQL over its hosts' samples, proc events, calls and cells; its logs
+        (monarch_kernel.telemetry): ``mesh.telemetry.query("select ... from samples")``."""
+        from ..telemetry.view import MeshTelemetry
+
+        return MeshTelemetry(self._state)
 
     def __repr__(self):
         return f"<ProcMesh '{self.name}' {self._view.describe()}{_dead_note(self)}>"
@@ -331,6 +365,12 @@ class ActorMesh(_Sliceable):
             ref = ps.procs[r]
             if ref.key not in rt.dead and not ps.stopped:
                 rt.send(ref.work, ps.key, ("stop_actor", st.id))
+        # Stopped means gone: from this controller's listing and from the agents' registry,
+        # so a controller that attaches later does not see it either.
+        ps.actor_meshes.pop(st.id, None)
+        hm = getattr(ps, "host_mesh", None)
+        if hm is not None and not ps.stopped:
+            hm._register_actor(ps, st, forget=True)
 
     def __repr__(self):
         return f"<ActorMesh '{self.name}' {self._state.class_name} {self._view.describe()}>"

@@ -18,3 +18,5 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "setup: could not install chromium; the browser test will skip" >&2
 fi
+# The JupyterLab extension (Mesh panel, status bar, "on mesh" cell button): npm only, never fatal.
+bash scripts/build_extension.sh || true

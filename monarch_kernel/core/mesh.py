@@ -18,6 +18,9 @@ from .shape import Extent, MeshView
 from .values import ValueMesh
 
 SPAWN_TIMEOUT_S = 120.0
+# Called as ``hook(proc_mesh)`` after ``respawn()`` replaced dead procs (features that keep
+# per-mesh state on the procs register here, e.g. monarch_kernel.tensor re-forms its group).
+RESPAWN_HOOKS: list = []
 
 
 class ProcMeshState:
@@ -243,6 +246,8 @@ class ProcMesh(_Sliceable):
         if hm is None:
             raise MeshGoneError("respawn() is for the controller that spawned or attached this mesh")
         hm._respawn(st)
+        for hook in list(RESPAWN_HOOKS):
+            hook(self)
         return self
 
     def sync_workspace(self, paths=None, **kwargs):
@@ -250,6 +255,27 @@ class ProcMesh(_Sliceable):
         from ..sync import sync_workspace
 
         return sync_workspace(self, paths, **kwargs)
+
+    # torch.distributed and distributed tensors (monarch_kernel.tensor, imported on first use)
+    def init_process_group(self, backend: str | None = None, timeout: float | None = None) -> ProcMesh:
+        """torchrun's env and ``init_process_group`` on every proc (nccl with CUDA, else gloo)."""
+        from ..tensor.dist import init_process_group
+
+        return init_process_group(self, backend, timeout)
+
+    def distribute(self, tensor, placements=None):
+        """A handle to ``tensor`` laid out over this mesh (``placements``: one Shard(d) or
+        Replicate() per mesh dim); each rank holds its local DTensor."""
+        from ..tensor.handle import distribute
+
+        return distribute(self, tensor, placements)
+
+    def tensor(self, factory, placements=None):
+        """A handle to the tensor ``factory()`` makes on the ranks (rank 0's values), laid out
+        by ``placements``."""
+        from ..tensor.handle import from_factory
+
+        return from_factory(self, factory, placements)
 
     @property
     def telemetry(self):

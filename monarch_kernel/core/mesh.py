@@ -365,6 +365,12 @@ class ActorMesh(_Sliceable):
             ref = ps.procs[r]
             if ref.key not in rt.dead and not ps.stopped:
                 rt.send(ref.work, ps.key, ("stop_actor", st.id))
+        # Stopped means gone: from this controller's listing and from the agents' registry,
+        # so a controller that attaches later does not see it either.
+        ps.actor_meshes.pop(st.id, None)
+        hm = getattr(ps, "host_mesh", None)
+        if hm is not None and not ps.stopped:
+            hm._register_actor(ps, st, forget=True)
 
     def __repr__(self):
         return f"<ActorMesh '{self.name}' {self._state.class_name} {self._view.describe()}>"

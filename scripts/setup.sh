@@ -31,3 +31,5 @@ if command -v apt-get >/dev/null 2>&1; then
       || echo "setup: could not install$want; the Slurm/SSH job tests will skip" >&2
   fi
 fi
+# The JupyterLab extension (Mesh panel, status bar, "on mesh" cell button): npm only, never fatal.
+bash scripts/build_extension.sh || true

@@ -262,9 +262,9 @@ def pull(ctx, args):
 
 def _pull_shards(handle, args):
     """``%mesh pull`` of a distributed tensor handle: each rank's local shard, as a ValueMesh."""
-    from ..core.values import ValueMesh
+    from .display import CellValues
 
     if args.ranks or args.slice:
         raise UsageError("%mesh pull of a distributed tensor brings every rank's shard; use "
                          "fetch_shard(t, gpus=i) for one")
-    return ValueMesh(handle.mesh.extent, handle.local_shards())
+    return CellValues(handle.mesh.extent, handle.local_shards())

@@ -7,8 +7,10 @@ Decisions (the issue leaves them to us):
   * MASTER_ADDR is the address rank 0's proc binds (what the other hosts reach it by),
     MASTER_PORT a free port rank 0 picked there.
   * Collectives time out after ``timeout`` (default 60 s, not torch's 30 min), so a hung
-    peer becomes an error; a dead peer fails gloo's collectives at once (its sockets close),
-    and the controller interrupts the other ranks of the mesh when it learns of the death.
+    peer becomes an error. When a rank dies, the controller tells every other rank to shut
+    down its group's sockets (worker.abort_group: gloo's abort() does not wake a rank
+    blocked in a collective with a live peer) and interrupts them, so every rank's
+    collective fails at once.
   * ``respawn()`` forms a NEW group for the whole mesh (survivors destroy theirs), prints
     that collectives in flight failed, and drops the tensors of the old group: handles made
     before say so when used.
@@ -198,6 +200,10 @@ def _on_death(key: str, err) -> None:
         rank = g.keys.index(key)
         g.broken = (f"rank {rank} of mesh '{g.state.name}' died; its process group cannot run collectives. "
                     "Call mesh.respawn(): it forms a new group for the whole mesh")
+        rt = runtime()
+        for ref in g.state.procs:
+            if ref.key != key and ref.key not in rt.dead:
+                rt.send(ref.ctrl, g.state.key, ("torch_abort", g.generation))
         ProcMesh(g.state).interrupt()
 
 

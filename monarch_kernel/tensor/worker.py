@@ -135,10 +135,43 @@ class _Poisoned(Exception):
         self.failure = failure
 
 
+def _tcp_fds(skip_port: int = -1) -> set[int]:
+    """This process's established TCP sockets, but those to or from ``skip_port``."""
+    import psutil
+
+    return {c.fd for c in psutil.Process().net_connections(kind="tcp")
+            if c.fd >= 0 and c.status == psutil.CONN_ESTABLISHED and c.raddr
+            and skip_port not in (c.laddr.port, c.raddr.port)}
+
+
+def abort_group(msg=None) -> None:
+    """(I/O thread) A peer of the group died: shut down the group's TCP sockets, so a
+    collective blocked in C++ on this rank's main thread fails at once ("Connection closed")
+    instead of waiting out the timeout for a peer that will never send. gloo's own
+    ``abort()`` does not wake a waiting collective (tried: torch 2.13)."""
+    if msg is not None and msg[1] != GROUP["generation"]:
+        return
+    for fd in GROUP.get("fds", ()):
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()
+    GROUP["fds"] = set()
+
+
 class TensorWorker(Actor):
     def __init__(self):
+        from monarch_kernel.core.runtime import runtime
+
         self.rank = current_rank().rank
         self.unreported: list[OpFailure] = []
+        runtime().handlers["torch_abort"] = abort_group
 
     # ------------------------------------------------------------ process group
     @endpoint
@@ -177,8 +210,13 @@ class TensorWorker(Actor):
             dist.destroy_process_group()
         STORE.clear()   # tensors of an old group cannot take part in the new one's collectives
         self.unreported.clear()
-        GROUP.update(generation=generation, device_mesh=None, backend=backend, labels=labels, sizes=sizes)
+        GROUP.update(generation=generation, device_mesh=None, backend=backend, labels=labels, sizes=sizes,
+                     fds=set())
+        before = _tcp_fds()
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "gloo":
+            dist.barrier()   # every pair connected: the sockets to shut down if a peer dies
+            GROUP["fds"] = _tcp_fds(int(os.environ["MASTER_PORT"])) - before   # gloo's pairs, not the store
         return backend
 
     def device_mesh(self):

@@ -545,9 +545,10 @@ class Runtime:
             fn(old_key, ref)
 
     def _on_unhandled(self, msg):
+        from .supervision import deliver_unhandled, failure_of
+
         err = msg[1]
-        log.error("unhandled supervision failure: %s", err)
-        self._unhandled.append(err)
+        deliver_unhandled(failure_of(err), err, seen=len(msg) > 2 and bool(msg[2]))
 
     def _on_agent_socket(self, sock):
         link = next((lk for lk in self.agents.values() if lk.sock is sock), None)

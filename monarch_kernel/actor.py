@@ -21,10 +21,11 @@ from .core.actors import Actor, concurrent_endpoint, endpoint
 from .core.channels import Accumulator, Channel, Port, PortReceiver
 from .core.context import Context, context, current_actor_name, current_rank, current_size
 from .core.controllers import get_or_spawn_controller
+from .core.endpoint import Endpoint, as_endpoint
 from .core.errors import ActorError, MeshFailure, MeshGoneError, MonarchError, SupervisionError
 from .core.future import Future
 from .core.hosts import HostMesh, attach, attach_to_workers, default_per_host, this_host
-from .core.mesh import ActorMesh, Endpoint, ProcMesh, as_endpoint
+from .core.mesh import ActorMesh, ProcMesh
 from .core.shape import Extent, Point
 from .core.supervision import default_unhandled_fault_hook
 from .core.values import ValueMesh

@@ -24,8 +24,8 @@ from monarch_kernel.core import context as context_mod
 from monarch_kernel.core import wire
 from monarch_kernel.core.channels import Port, reply_port
 from monarch_kernel.core.context import _CTX, ActorInstance, Context
+from monarch_kernel.core.endpoint import EXPLICIT_PORT_MARK
 from monarch_kernel.core.errors import ActorError, MeshFailure, SupervisionError
-from monarch_kernel.core.mesh import EXPLICIT_PORT_MARK
 from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink

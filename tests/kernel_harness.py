@@ -133,7 +133,7 @@ class KernelHarness:
             t = msg["msg_type"]
             if t == "status" and msg["content"]["execution_state"] == "idle":
                 break
-            if t in ("stream", "display_data", "execute_result", "error"):
+            if t in ("stream", "display_data", "update_display_data", "execute_result", "error"):
                 outs.append(msg)
                 if on_output is not None:
                     on_output(msg)

@@ -126,6 +126,19 @@ def test_several_ranks_switch_cast_and_continue_all(k):
     assert values(s.result) == ["1", "2", "3"]
 
 
+def test_moving_from_one_paused_rank_to_the_next_ends_the_cell_cleanly(k):
+    def answer(prompt, s):
+        if prompt == "(rank 0 pdb) " and s.text.count("paused at") < 2:   # both ranks stopped first
+            time.sleep(0.1)
+            return "ranks"
+        return "continue"
+
+    s = drive(k, "%%on_mesh --ranks 0,1\nbreakpoint()\nrank + 1", answer)
+    assert "rank 0 continued; now at rank 1" in s.text
+    assert s.status == "ok" and not s.error, s.text   # was: TypeError: signal handler must be ...
+    assert values(s.result) == ["1", "2"]
+
+
 def test_pdb_set_trace_and_the_named_dim_grammar(k):
     def answer(prompt, s):
         if s.text.count("paused at") < 2:

@@ -91,14 +91,51 @@ def test_output_streams_while_the_cell_runs(k, flag):
 
 
 def test_display_from_a_rank_lands_under_the_cell_labelled(k):
-    r = k.ok("%%on_mesh --ranks 0,1\nclass H:\n    def _repr_html_(self): return f'<i>h{rank}</i>'\n"
+    r = k.ok("%%on_mesh --ranks 0\nclass H:\n    def _repr_html_(self): return f'<i>h{rank}</i>'\n"
              "print('before', rank)\ndisplay(H())\ndisplay({'r': rank})")
     shown = r.data("display_data")
-    assert [d["metadata"]["monarch_kernel"]["rank"] for d in shown] == [0, 0, 1, 1]
+    assert [d["metadata"]["monarch_kernel"]["rank"] for d in shown] == [0, 0]
     assert "<i>h0</i>" in shown[0]["data"]["text/html"] and "rank 0" in shown[0]["data"]["text/html"]
     assert shown[1]["data"]["text/plain"] == "[rank 0] {'r': 0}"
     kinds = [m["msg_type"] for m in r.outputs]
     assert kinds.index("stream") < kinds.index("display_data")   # rank 0's print before its display
+
+
+def test_rich_displays_of_several_ranks_are_one_grid_and_text_stays_a_stream(k):
+    r = k.ok("%%on_mesh --ranks 0,1\nfrom IPython.display import HTML, display\n"
+             "print('before', rank)\ndisplay(HTML(f'<i>h{rank}</i>'))\ndisplay({'r': rank})")
+    shown = r.data("display_data")
+    assert [d["data"]["text/plain"] for d in shown[:2]] == ["[rank 0] {'r': 0}", "[rank 1] {'r': 1}"]
+    grid = shown[2]
+    assert grid["metadata"]["monarch_kernel"]["ranks"] == [0, 1]
+    html = grid["data"]["text/html"]
+    assert "monarch-rank-grid" in html and html.index("<i>h0</i>") < html.index("<i>h1</i>")
+    assert r.stdout == "[rank 0] before 0\n[rank 1] before 1\n"
+
+
+FIGURES = ("%%on_mesh --ranks 0,1\nimport matplotlib.pyplot as plt\n"
+           "for i in range(2):\n    fig = plt.figure()\n    plt.plot([0, rank + i])\n")
+
+
+def images(r) -> int:
+    """Figures a user sees under the cell: single displays, or the rank grid's last state
+    (a cell that runs past the hold writes its grid at once and updates it in place)."""
+    single = sum(1 for d in r.data("display_data") if "image/png" in d["data"])
+    grids = [d["data"]["text/html"] for d in r.data("display_data") + r.data("update_display_data")
+             if "monarch_kernel" in d["metadata"] and "ranks" in d["metadata"]["monarch_kernel"]]
+    return single + (grids[-1].count('<img src="data:image/png;base64,') if grids else 0)
+
+
+def test_plt_show_on_ranks_shows_each_figure_under_the_cell(k):
+    r = k.ok(FIGURES + "    plt.show()")
+    assert "Figure(" not in r.stdout   # was: each rank printed Figure(640x480)
+    assert images(r) == 4
+
+
+def test_display_of_a_figure_then_close_shows_it(k):
+    r = k.ok(FIGURES.replace("--ranks 0,1", "--ranks 1") + "    display(fig)\n    plt.close(fig)")
+    assert images(r) == 2   # was: <Figure size ...> text, and nothing once closed
+    assert "[rank 1] <Figure size" in r.data("display_data")[0]["data"]["text/plain"]
 
 
 # ----------------------------------------------------------------------- errors
@@ -111,6 +148,12 @@ def test_same_error_on_every_rank_is_shown_once_with_the_cells_lines(k):
     tb = "\n".join(e["traceback"])
     assert tb.count("ZeroDivisionError: division by zero") == 2   # the heading and one traceback
     assert "on mesh>\", line 2" in tb and "1 / 0" in tb
+
+
+def test_a_mesh_cell_is_named_after_its_own_prompt_number(k):
+    r = k.run("%%on_mesh --ranks 0\n1 / 0")
+    n = r.reply["content"]["execution_count"]
+    assert f'File "<In [{n}] on mesh>", line 1' in "\n".join(r.error["traceback"])   # was In [n+1]
 
 
 def test_differing_errors_each_once_and_other_ranks_results_kept(k):

@@ -30,10 +30,12 @@ import functools
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -41,7 +43,8 @@ import zmq
 
 from monarch_kernel.core import wire
 from monarch_kernel.core.errors import MeshFailure
-from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef
+from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
+from monarch_kernel.telemetry.agent import AgentTelemetry
 
 log = logging.getLogger("monarch_kernel.agent")
 
@@ -98,6 +101,16 @@ class HostAgent:
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
         self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
+        self.sync_setup = None      # what a new proc needs from code sync (its sys.path, cwd)
+        # Sync ops run on one thread of their own, in order (a plan or commit of 50,000 files
+        # takes seconds): this loop keeps answering heartbeats and reaping procs meanwhile.
+        self.sync_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.sync_done: queue.SimpleQueue = queue.SimpleQueue()
+        self.sync_wake_r, self.sync_wake_w = os.pipe()
+        os.set_blocking(self.sync_wake_r, False)
+        self.sync_thread: threading.Thread | None = None
+        self._load_sync_setup()
+        self.telemetry = AgentTelemetry(self)   # samples, proc events, logs (ops tel_*; see its module)
 
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
@@ -121,13 +134,17 @@ class HostAgent:
         zfd = self.zygote.stdout.fileno()
         os.set_blocking(zfd, False)
         poller.register(zfd, zmq.POLLIN)
+        poller.register(self.sync_wake_r, zmq.POLLIN)
         while not self.stopping:
             for sock, _ in poller.poll(100):
                 if sock is self.router:
                     self._drain_router()
                 elif sock == zfd:
                     self._read_zygote(zfd)
+                elif sock == self.sync_wake_r:
+                    self._send_sync_replies()
             self._check_liveness()
+            self.telemetry.tick(time.monotonic())
         self.shutdown()
 
     def _drain_router(self):
@@ -143,7 +160,10 @@ class HostAgent:
             _, req, op, args = msg
             handler = getattr(self, "op_" + op, None)
             if handler is None and op.startswith("sync_"):
-                handler = functools.partial(self._sync_op, op)
+                self._queue_sync_op(ident, req, op, args)
+                continue
+            if handler is None and op.startswith("tel_"):
+                handler = functools.partial(self.telemetry.handle, op)
             if handler is None:
                 self.reply(ident, req, False, ValueError(f"unknown agent op {op!r}"))
                 continue
@@ -219,7 +239,7 @@ class HostAgent:
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
                "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
                "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
-               "sync": self._sync().proc_setup()}
+               "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank)}
         if self.zygote_ready:
             self._write_zygote({"op": "fork", "cfg": cfg})
         else:
@@ -233,6 +253,7 @@ class HostAgent:
         was = p.state
         p.state = "dead"
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        self.telemetry.proc_exited(p, pid, how, stopping=was == "stopping")
         if was == "stopping":
             self.procs.pop(p.key, None)
             return
@@ -265,37 +286,76 @@ class HostAgent:
                 self.procs.pop(p.key, None)
 
     # ---------------------------------------------------------------- code sync
-    def _sync(self):
-        if self.sync_receiver is None:
-            from monarch_kernel.sync.receiver import SyncReceiver, base_dir
+    def _load_sync_setup(self):
+        """At start: what earlier syncs set up for new procs (read once, before any op)."""
+        from monarch_kernel.sync.receiver import SyncReceiver, base_dir
 
-            self.sync_receiver = SyncReceiver(base_dir(self.name), self.host, self.addr)
-        return self.sync_receiver
+        self.sync_receiver = SyncReceiver(base_dir(self.name), self.host, self.addr)
+        self.sync_setup = self.sync_receiver.proc_setup()
 
-    def _sync_op(self, op, ident, req, *args):
-        """Ops named ``sync_*``: one bounded step of a code sync each (a plan, or one chunk
-        of a few MB), so this loop stays responsive while a tree arrives."""
-        self.reply(ident, req, True, self._sync().handle(op, args))
+    def _queue_sync_op(self, ident, req, op, args):
+        """Ops named ``sync_*`` run on the sync thread, one at a time in arrival order; their
+        replies come back through ``sync_done`` and are sent from this loop (the ROUTER is
+        this thread's alone)."""
+        if self.sync_thread is None:
+            self.sync_thread = threading.Thread(target=self._sync_worker, name="agent-sync", daemon=True)
+            self.sync_thread.start()
+        self.sync_jobs.put((ident, req, op, args))
+
+    def _sync_worker(self):
+        while True:
+            job = self.sync_jobs.get()
+            if job is None:
+                return
+            ident, req, op, args = job
+            try:
+                value, ok = self.sync_receiver.handle(op, args), True
+                self.sync_setup = self.sync_receiver.proc_setup()
+            except Exception as e:
+                log.exception("sync op %s failed", op)
+                value, ok = e, False
+            self.sync_done.put((ident, req, ok, value))
+            os.write(self.sync_wake_w, b"x")
+
+    def _send_sync_replies(self):
+        try:
+            os.read(self.sync_wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                ident, req, ok, value = self.sync_done.get_nowait()
+            except queue.Empty:
+                return
+            self.reply(ident, req, ok, value)
 
     # ---------------------------------------------------------------- ops (controller)
     def op_hello(self, ident, req, controller_addr, persistent_hint=None):
         if self.controller not in (None, ident):
             log.warning("controller %s replaced by %s", self.controller_addr, controller_addr)
             self.send(self.controller, ("ev", "superseded", controller_addr))
+        self._attach(ident, controller_addr)
+        self.reply(ident, req, True, self.describe())
+
+    def _attach(self, ident, controller_addr):
         self.controller, self.controller_addr = ident, controller_addr
         self.controller_seen = time.monotonic()
         self.had_controller = True
         for p in self.procs.values():
             if p.ident is not None and p.state == "alive":
                 self.send(p.ident, ("ev", "sink", controller_addr, self.key))
-        self.reply(ident, req, True, self.describe())
 
     def describe(self):
-        return {"name": self.name, "host": self.host, "pid": os.getpid(), "addr": self.addr,
+        return {"name": self.name, "host": self.host, "pid": os.getpid(), "pid_space": pid_space(),
+                "addr": self.addr,
                 "persistent": self.persistent, "lease": self.lease, "registry": self.registry,
                 "dead": {k: p.rank for k, p in self.procs.items() if p.state == "dead"}}
 
     def op_hb(self, ident, req, controller_addr=None):
+        if ident != self.controller and self.controller is None and controller_addr:
+            # We detached it after a silence (ours, or its: a stall either side); it is back.
+            log.warning("controller %s answered again: attached", controller_addr)
+            self._attach(ident, controller_addr)
         if ident == self.controller:
             self.controller_seen = time.monotonic()
             self.send(ident, ("ev", "hb"))
@@ -322,6 +382,7 @@ class HostAgent:
                 raise ValueError(f"proc {old} is not dead here; only dead procs are respawned")
             self.procs.pop(old)
             keys.append(self._fork(p.mesh_id, p.mesh_name, p.rank, None, None, sink, p.rank))
+        self.telemetry.expect_respawn(keys)
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys, "old": old_keys}
 
     def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id=""):
@@ -332,6 +393,7 @@ class HostAgent:
         p.ident, p.state, p.pid = ident, "alive", pid
         self.by_pid[pid] = p
         p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr, work_ipc, ctrl_ipc, host_id)
+        self.telemetry.proc_ready(p)
         for sid, sp in list(self.spawns.items()):
             if all(self.procs[k].state == "alive" for k in sp["keys"] if k in self.procs):
                 del self.spawns[sid]
@@ -378,6 +440,10 @@ class HostAgent:
 
     def shutdown(self):
         self._stop_procs(list(self.procs.values()), grace=0.5)
+        self.telemetry.shutdown()
+        if self.sync_thread is not None:
+            self.sync_jobs.put(None)
+            self.sync_thread.join(5)
         try:
             self._write_zygote({"op": "exit"})
         except (BrokenPipeError, ValueError):

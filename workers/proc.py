@@ -30,6 +30,7 @@ from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
+from monarch_kernel.telemetry.worker import ProcTelemetry
 
 
 class ActorSlot:
@@ -116,9 +117,12 @@ class ProcWorker:
         rt.death_listeners.append(self._supervise_owned)
         self.stdout = ForwardingStream(self, "stdout")
         self.stderr = ForwardingStream(self, "stderr")
+        self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
+        if self.telemetry.log is not None:   # kept on the host too, attached or not
+            self.telemetry.log.write(stream, text)
         sink = self.sink
         if sink is None or not self.stream_to_client:
             (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
@@ -321,6 +325,7 @@ class ProcWorker:
         self.busy_call, self.state = (reply_to, call_id), f"in {slot.name}.{method}"
         self.active.append(aid)
         exc = None
+        started, t0 = time.time(), time.perf_counter()
         try:
             value, ok = getattr(slot.obj, method)(*args, **kwargs), True
         except BaseException as e:
@@ -330,6 +335,7 @@ class ProcWorker:
             _CTX.reset(token)
             ours = self.interrupting is not None and self.interrupting == self.busy_call
             self.busy_call, self.state, self.interrupting = None, "idle", None
+        self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
         self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc, ours)
 
     def _response_port(self, reply_to, call_id):
@@ -505,10 +511,12 @@ class ProcWorker:
         async def run():
             _CTX.set(slot.ctx)
             exc = None
+            started, t0 = time.time(), time.perf_counter()
             try:
                 value, ok = await getattr(slot.obj, method)(*args, **kwargs), True
             except BaseException as e:
                 value, ok, exc = self._error(e, f"{slot.name}.{method}"), False, e
+            self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
             fatal = exc is not None and (not isinstance(exc, Exception) or not call_id)
             if fatal:   # the actor is stopped on the main thread, after this reply
                 self._kill_exc[aid] = exc
@@ -548,6 +556,9 @@ def main(cfg: dict) -> int:
     global WORKER
     WORKER = worker
     debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
+    from monarch_kernel.jupyter.display_worker import use_on_this_rank
+
+    use_on_this_rank()   # display() and plt.show() reach the notebook, not the kernel's backend
     sys.stdout, sys.stderr = worker.stdout, worker.stderr
     try:
         return worker.serve()

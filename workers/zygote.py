@@ -23,6 +23,10 @@ def _preload() -> float:
         except ImportError:
             pass
     import workers.proc  # noqa: F401  (zmq, cloudpickle, the runtime)
+    try:   # ~0.1 s: a rank's display() uses IPython's formatters (jupyter/display_worker.py)
+        import IPython.display  # noqa: F401
+    except ImportError:
+        pass
 
     return time.perf_counter() - t0
 

@@ -89,5 +89,13 @@ class SupervisionError(MonarchError):
         return (SupervisionError, (self.failure, self.hint))
 
 
+class HostUnreachableError(SupervisionError):
+    """A host agent is silent (stalled, cut off, or dead): what waits on it fails now. A
+    host that answers again comes back, its procs with their state."""
+
+    def __reduce__(self):
+        return (HostUnreachableError, (self.args[0],))
+
+
 class MeshGoneError(MonarchError):
     """The mesh was stopped, or its agent cannot be reached, or no such mesh exists."""

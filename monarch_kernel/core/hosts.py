@@ -20,9 +20,9 @@ from .connection import (
     new_key,
     read_connection_file,
 )
-from .errors import MeshFailure, MeshGoneError
+from .errors import HostUnreachableError, MeshFailure, MeshGoneError
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
-from .runtime import ProcRef, runtime
+from .runtime import ProcRef, _pid_alive, pid_space, runtime
 from .shape import Extent
 
 log = logging.getLogger("monarch_kernel")
@@ -58,8 +58,9 @@ class HostMesh:
             except TimeoutError:
                 raise MeshGoneError(f"host agent at {a['addr']} did not answer within {HELLO_TIMEOUT_S:.0f} s "
                                     "(is it running, and is the key right?)") from None
-        for a in agents:
-            rt.watch_agent(a["addr"], key)
+        for a, info in zip(agents, self._infos):
+            local = info.get("pid_space") and info.get("pid_space") == pid_space()
+            rt.watch_agent(a["addr"], key, info.get("pid") if local else None, info.get("host", ""))
         rt.agent_event_handlers.setdefault(
             "superseded", lambda link, by: log.warning("another controller (%s) attached to %s; this one "
                                                        "no longer receives its events", by, link.addr))
@@ -117,7 +118,11 @@ class HostMesh:
                 for h, a in enumerate(self._agents)]
         refs: list[ProcRef] = []
         for f in futs:
-            refs.extend(f.get(120))
+            try:
+                refs.extend(f.get(120))
+            except HostUnreachableError as e:
+                raise MeshGoneError(f"cannot spawn proc mesh '{name}' on host mesh '{self.name}': {e}. "
+                                    f"{self._restart_hint()}") from None
         refs.sort(key=lambda r: r.rank)
         st = ProcMeshState(mesh_id, name, self._key, labels, sizes, refs)
         st.host_mesh = self
@@ -215,6 +220,17 @@ class HostMesh:
             rt.forget_agent(a["addr"])
         _named.pop(self.name, None)
 
+    def _restart_hint(self) -> str:
+        if self.persistent and self._local:
+            return (f"If its agent is gone, this_host({self.name!r}) starts a new one (the old procs' state "
+                    "is lost)")
+        return "If its agent is gone, start a new one and spawn again (the old procs' state is lost)"
+
+    def agents_gone(self) -> bool:
+        """Is every agent of this mesh a process of this machine that no longer runs?"""
+        pids = [i.get("pid") if i.get("pid_space") == pid_space() else None for i in self._infos]
+        return bool(pids) and all(p is not None and not _pid_alive(p) for p in pids)
+
     def _check_attached(self):
         if self._detached:
             raise MeshGoneError(f"host mesh '{self.name}' was detached or shut down; "
@@ -255,7 +271,11 @@ class HostMesh:
                 for addr, refs in by_agent.items()]
         replaced: list[tuple[ProcRef, ProcRef]] = []
         for old, f in futs:
-            new = f.get(60)
+            try:
+                new = f.get(60)
+            except HostUnreachableError as e:
+                raise MeshGoneError(f"cannot respawn proc mesh '{st.name}': {e}. respawn() replaces dead "
+                                    f"procs on a live host. {self._restart_hint()}") from None
             replaced.extend(zip(sorted(old, key=lambda r: r.rank), sorted(new, key=lambda r: r.rank)))
         rt.register_procs([n for _, n in replaced], self._key)
         for old, new in replaced:
@@ -352,7 +372,10 @@ def this_host(name: str | None = None, *, lease: float | None = None) -> HostMes
     with _lock:
         hm = _named.get(key_name)
         if hm is not None and not hm._detached:
-            return hm
+            if not hm.agents_gone():
+                return hm
+            log.warning("the agent of host mesh '%s' is gone: starting a new one", key_name)
+            _forget_gone(hm)
         if name is not None:
             check_name(name)
             try:
@@ -377,6 +400,16 @@ def this_host(name: str | None = None, *, lease: float | None = None) -> HostMes
         return hm
 
 
+def _forget_gone(hm: HostMesh) -> None:
+    """Let go of a mesh whose agents died: its proc meshes are stopped, its link closed."""
+    for st in hm._proc_meshes.values():
+        if not st.stopped:
+            hm._mark_stopped(st, "its host agent is gone")
+    hm._forget()
+    if hm._process is not None:
+        hm._process.poll()
+
+
 def _shutdown_quietly(hm: HostMesh) -> None:
     try:
         hm.shutdown()
@@ -389,7 +422,9 @@ def attach(name: str) -> HostMesh:
     with _lock:
         hm = _named.get(name)
         if hm is not None and not hm._detached:
-            return hm
+            if not hm.agents_gone():
+                return hm
+            _forget_gone(hm)
         info = read_connection_file(check_name(name))
         if not agent_alive(info):
             connection_path(name).unlink(missing_ok=True)

@@ -293,6 +293,14 @@ class ProcMesh(_Sliceable):
 
         return sync_workspace(self, paths, **kwargs)
 
+    @property
+    def telemetry(self):
+        """SQL over its hosts' samples, proc events, calls and cells; its logs
+        (monarch_kernel.telemetry): ``mesh.telemetry.query("select ... from samples")``."""
+        from ..telemetry.view import MeshTelemetry
+
+        return MeshTelemetry(self._state)
+
     def __repr__(self):
         return f"<ProcMesh '{self.name}' {self._view.describe()}{_dead_note(self)}>"
 

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 import zmq
 
 from . import wire
-from .errors import ActorError, MeshFailure, SupervisionError
+from .errors import ActorError, HostUnreachableError, MeshFailure, SupervisionError
 from .future import _PENDING as _PENDING_STATE
 from .future import Future
 
@@ -137,7 +137,18 @@ class AgentLink:
         self.last_hb_sent = 0.0
         self.unanswered = 0    # heartbeats sent since the agent was last heard
         self.watched = False   # heartbeat it and declare it lost on silence
-        self.lost = False
+        self.lost = False      # silent past HOST_TIMEOUT_S; heartbeats go on, so it can come back
+        self.lost_since = 0.0
+        self.lost_errors: dict[str, SupervisionError] = {}   # procs failed because of the silence
+        self.failed_while_lost: list[str] = []   # what failed because of it (calls, requests)
+        self.pid: int | None = None   # the agent's pid when it runs on this machine
+        self.host = ""
+
+    def describe_loss(self, now: float) -> str:
+        if self.pid and not _pid_alive(self.pid):
+            return f"the agent of host {self.host or self.addr} (pid {self.pid}) is gone"
+        return (f"host {self.host or self.addr} has not answered for {now - self.lost_since:.1f} s; "
+                "requests to it fail until it answers again")
 
 
 class Runtime:
@@ -171,6 +182,7 @@ class Runtime:
         self.dead: dict[str, SupervisionError] = {}
         self.procs: dict[str, tuple[ProcRef, bytes]] = {}   # every proc this process knows
         self.agents: dict[str, AgentLink] = {}
+        self.outages: list[dict] = []   # hosts that were silent and came back (see _host_back)
         self._tasks: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -409,6 +421,10 @@ class Runtime:
 
         def go():
             link = self._link(addr, key)
+            if link.lost:
+                # A silent host answers nothing: fail now, not after the caller's timeout.
+                fut.set_exception(HostUnreachableError(link.describe_loss(time.monotonic())))
+                return
             req = next(self._ids)
             link.requests[req] = fut
             link.sock.send_multipart(self.pack(key, ("req", req, op, args)), copy=False)
@@ -421,11 +437,14 @@ class Runtime:
         self.call_in_io(lambda: self._link(addr, key).sock.send_multipart(
             self.pack(key, ("req", 0, op, args)), copy=False))
 
-    def watch_agent(self, addr: str, key: bytes) -> None:
+    def watch_agent(self, addr: str, key: bytes, pid: int | None = None, host: str = "") -> None:
+        """Heartbeat the agent at ``addr``; ``pid``: its pid when it runs on this machine, so
+        its death is seen at once rather than after HOST_TIMEOUT_S of silence."""
         def go():
             link = self._link(addr, key)
             link.watched = True
             link.last_seen = time.monotonic()
+            link.pid, link.host = pid, host
         self.call_in_io(go)
 
     def _link(self, addr: str, key: bytes) -> AgentLink:
@@ -559,11 +578,13 @@ class Runtime:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            link.last_seen = time.monotonic()
-            link.unanswered = 0
             msg = self.keyring.open(frames, f"agent {link.addr}")
             if msg is None or type(msg) is not tuple:
                 continue
+            link.last_seen = time.monotonic()
+            link.unanswered = 0
+            if link.lost:
+                self._host_back(link, link.last_seen)
             if msg[0] == "rep":
                 _, req, ok, value = msg
                 fut = link.requests.pop(req, None)
@@ -582,29 +603,84 @@ class Runtime:
 
     def _tick(self, now):
         for link in list(self.agents.values()):
-            if not link.watched or link.lost:
+            if not link.watched:
                 continue
             if now - link.last_hb_sent >= HEARTBEAT_S:
+                # A lost link is heartbeaten too: a host that answers again comes back.
                 link.last_hb_sent = now
                 link.unanswered += 1
                 link.sock.send_multipart(self.pack(link.key, ("req", 0, "hb", (self.address,))), copy=False)
+            if link.lost:
+                continue
+            gone = link.pid is not None and now - link.last_seen > HEARTBEAT_S and not _pid_alive(link.pid)
             # Silence counts only if we really asked: an I/O thread starved of the GIL (a long
             # pickle on the main thread) sent no heartbeats and must not declare a host lost.
-            if now - link.last_seen > HOST_TIMEOUT_S and link.unanswered >= 4:
+            if gone or (now - link.last_seen > HOST_TIMEOUT_S and link.unanswered >= 4):
                 link.lost = True
-                self._host_lost(link, now - link.last_seen)
+                link.lost_since = link.last_seen
+                self._host_lost(link, now - link.last_seen, gone)
 
-    def _host_lost(self, link: AgentLink, silent_s: float):
-        log.error("host agent %s silent for %.1f s: declaring its host lost", link.addr, silent_s)
+    def mesh_name_of(self, key: str) -> str:
+        for st in self.mesh_states.values():
+            if any(r.key == key for r in st.procs):
+                return st.name
+        return "?"
+
+    def _host_lost(self, link: AgentLink, silent_s: float, gone: bool = False):
+        why = (f"its agent (pid {link.pid}) is gone" if gone
+               else f"its agent {link.addr} was silent for {silent_s:.1f} s")
+        log.error("host %s: %s; failing what waits on it", link.host or link.addr, why)
+        link.failed_while_lost = []
         for fut in list(link.requests.values()):
-            fut.set_exception(SupervisionError(f"host agent {link.addr} is unreachable (silent for "
-                                               f"{silent_s:.1f} s)"))
+            link.failed_while_lost.append(fut._what)
+            fut.set_exception(HostUnreachableError(f"host agent {link.addr} is unreachable: {why}"))
         link.requests.clear()
+        hint = ("The whole host is gone: stop this mesh and spawn a new one (this_host(name) starts a "
+                "new agent)" if gone else
+                "Its procs may only be stalled: if the host answers again they come back with their "
+                "state; if not, stop the mesh and spawn a new one")
+        before = {id(p): p.what for p in self._pending.values()}
+        link.lost_errors = {}
         for key, (ref, _) in list(self.procs.items()):
-            if ref.agent == link.addr:
-                self.proc_failed(key, MeshFailure("", ref.rank, ref.host, ref.pid,
-                                                  f"host lost: its agent {link.addr} was silent for "
-                                                  f"{silent_s:.1f} s", key))
+            if ref.agent == link.addr and key not in self.dead:
+                self.proc_failed(key, MeshFailure(self.mesh_name_of(key), ref.rank, ref.host, ref.pid,
+                                                  f"host lost: {why}", key), hint=hint)
+                link.lost_errors[key] = self.dead[key]
+        after = {id(p) for p in self._pending.values()}
+        link.failed_while_lost.extend(w for i, w in before.items() if i not in after)
+
+    def _host_back(self, link: AgentLink, now: float):
+        """A host declared lost answers again: its procs were never dead. Un-fail them, say
+        what failed in between, and hello again (the agent may have detached us meanwhile;
+        its answer lists the procs that really died)."""
+        silent = now - link.lost_since
+        link.lost = False
+        back = [k for k, err in link.lost_errors.items() if self.dead.get(k) is err]
+        for k in back:
+            del self.dead[k]
+        link.lost_errors = {}
+        failed = link.failed_while_lost
+        link.failed_while_lost = []
+        report = {"agent": link.addr, "host": link.host, "silent_s": round(silent, 1), "procs_back": len(back),
+                  "failed": failed}
+        self.outages.append(report)
+        log.warning("host %s answered again after %.1f s of silence: %d proc(s) back with their state; "
+                    "failed meanwhile: %s", link.host or link.addr, silent, len(back),
+                    ", ".join(failed) if failed else "nothing")
+        fut = Future("hello")
+        req = next(self._ids)
+        link.requests[req] = fut
+        link.sock.send_multipart(self.pack(link.key, ("req", req, "hello", (self.contact,))), copy=False)
+
+        def died_meanwhile(f):
+            if f.exception() is not None:
+                return
+            for key in f.get().get("dead", {}):
+                ref = self.procs.get(key, (None,))[0]
+                if ref is not None:
+                    self.proc_failed(key, MeshFailure(self.mesh_name_of(key), ref.rank, ref.host, ref.pid,
+                                                      "proc died while its host was unreachable", key))
+        fut.add_done_callback(died_meanwhile)
 
     # ----------------------------------------------------------------- shutdown
     def close(self) -> None:
@@ -615,6 +691,20 @@ class Runtime:
         if threading.current_thread() is not self._thread:
             self._thread.join(2)
         self.ctx.destroy(linger=500)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _ms_left(deadline: float | None, fut: Future, timeout) -> int:
@@ -641,6 +731,21 @@ def host_id() -> str:
         except OSError:
             _HOST_ID = ""
     return _HOST_ID
+
+
+_PID_SPACE: str | None = None
+
+
+def pid_space() -> str:
+    """This machine (boot id) and pid namespace: where a pid names the same process."""
+    global _PID_SPACE
+    if _PID_SPACE is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _PID_SPACE = f"{f.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+        except OSError:
+            _PID_SPACE = ""
+    return _PID_SPACE
 
 
 def ipc_name(what: str) -> str:

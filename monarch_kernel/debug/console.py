@@ -58,7 +58,7 @@ class Console:
         reg = self.reg
         # An awaited cell turns SIGINT into a task cancel that cannot run while input()
         # blocks the loop: make it a KeyboardInterrupt here while the console runs.
-        prev = _sigint_raises()
+        old_sigint = _sigint_raises()
         try:
             current = reg.by_rank(rank) if rank is not None else None
             announced: set[str] = set()
@@ -102,8 +102,8 @@ class Console:
         finally:
             self.seen_pauses = reg.pauses
             self.active = False
-            if prev is not None:
-                signal.signal(signal.SIGINT, prev)
+            if old_sigint is not None:
+                signal.signal(signal.SIGINT, old_sigint)
 
     def _handle(self, line: str, current: PausedSession):
         reg = self.reg

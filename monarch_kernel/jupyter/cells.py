@@ -11,20 +11,19 @@ becomes a KeyboardInterrupt in the cell. ``run`` never raises: a failure comes b
 ``CellFailure`` whose traceback starts at the cell's own lines (registered in linecache
 under the cell's filename), so the controller can group identical errors across ranks.
 
-Rich output: ``display(obj)`` (predefined in the namespace) sends
-``("display", rank, data, metadata)`` to the controller's sink; matplotlib figures left
-open at the end of a cell are sent the same way, as PNG.
+Rich output: ``display(obj)`` (predefined in the namespace), ``plt.show()`` and figures
+left open at the end of a cell go to the controller's sink (display_worker.py).
 """
 from __future__ import annotations
 
 import ast
 import linecache
-import os
-import sys
 import traceback
 
 from monarch_kernel.core.actors import Actor, endpoint
 from monarch_kernel.core.context import current_rank
+
+from .display_worker import display, send_open_figures, use_on_this_rank  # noqa: F401  (display: re-exported)
 
 NAMESPACE: dict = {"__name__": "__on_mesh__"}
 
@@ -44,61 +43,11 @@ class CellFailure:
         return f"CellFailure(rank {self.rank}: {self.exc_type}: {self.message})"
 
 
-def display(*objs, **kwargs) -> None:
-    """Show objects under the notebook cell that runs this code, labelled with the rank."""
-    for obj in objs:
-        data, metadata = _format(obj)
-        _send_display(data, metadata)
-
-
-def _format(obj) -> tuple[dict, dict]:
-    try:
-        from IPython.core.formatters import DisplayFormatter
-
-        global _FORMATTER
-        if _FORMATTER is None:
-            _FORMATTER = DisplayFormatter()
-        data, md = _FORMATTER.format(obj)
-        return dict(data), dict(md)
-    except Exception:
-        return {"text/plain": repr(obj)}, {}
-
-
-_FORMATTER = None
-
-
-def _send_display(data: dict, metadata: dict) -> None:
-    import workers.proc as proc_mod
-
-    w = proc_mod.WORKER
-    if w is None or w.sink is None:
-        print(data.get("text/plain", ""))
-        return
-    w.flush_output()   # keep order: text printed before the display arrives before it
-    w.rt.send(w.sink[0], w.sink[1], ("display", w.rank, data, metadata))
-
-
-def _send_open_figures() -> None:
-    plt = sys.modules.get("matplotlib.pyplot")
-    if plt is None:
-        return
-    import base64
-    import io
-
-    for num in plt.get_fignums():
-        fig = plt.figure(num)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-        _send_display({"image/png": base64.b64encode(buf.getvalue()).decode(),
-                       "text/plain": repr(fig)}, {})
-    plt.close("all")
-
-
 class CellRunner(Actor):
     """Runs cells, and pushes/pulls variables, in this proc's persistent namespace."""
 
     def __init__(self, mesh):
-        os.environ.setdefault("MPLBACKEND", "agg")
+        use_on_this_rank()
         rank = current_rank().rank
         NAMESPACE.update(rank=rank, world_size=len(mesh), mesh=mesh, display=display)
         NAMESPACE.setdefault("__builtins__", __builtins__)
@@ -129,7 +78,7 @@ class CellRunner(Actor):
             return self._failure(e, filename)
         finally:
             try:
-                _send_open_figures()
+                send_open_figures()
             except Exception:
                 pass
 

@@ -27,6 +27,7 @@ import shlex
 import sys
 from collections.abc import Callable
 
+import IPython
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
@@ -36,7 +37,8 @@ from .on_mesh import _Run, cell_run_args, outcome, select, supervision_message
 from .output import OutputRouter
 from .session import NotConnected, session
 
-OPTIONAL_COMMANDS = {"sync": "monarch_kernel.sync.magic", "debug": "monarch_kernel.debug.magic"}
+OPTIONAL_COMMANDS = {"sync": "monarch_kernel.sync.magic", "debug": "monarch_kernel.debug.magic",
+                     "logs": "monarch_kernel.telemetry.magic", "top": "monarch_kernel.telemetry.magic"}
 
 
 class MagicArgumentParser(argparse.ArgumentParser):
@@ -210,7 +212,7 @@ class MeshMagics(Magics):
             target = select(cells, args.ranks, args.slice)
         except (ValueError, TypeError) as e:
             raise UsageError(f"%%on_mesh: {e}\n{ON_MESH.format_usage().rstrip()}")
-        run_args = cell_run_args(getattr(self.shell, "execution_count", None), code, want_value)
+        run_args = cell_run_args(CELL_NUMBER.now, code, want_value)
         cap = self.router.begin(target._view.ranks, live=args.stream)
         try:
             run = _Run(target, "run", run_args, args.timeout, cap)
@@ -327,6 +329,34 @@ async def on_mesh_async(line: str, body: str):
     return await _MAGICS.on_mesh_async(line, body)
 
 
+class CellNumber:
+    """The ``In [N]`` of the cell running now, for the cell's name on the ranks.
+
+    IPython 9 increments ``execution_count`` as a cell starts (inside ``In [3]`` it reads 4);
+    IPython 8 did it when the cell ended. ``pre_run_cell`` fires after that increment, with
+    ``info.store_history`` saying whether it happened; a silent run has no number."""
+
+    COUNTS_AHEAD = int(IPython.__version__.split(".")[0]) >= 9
+
+    def __init__(self):
+        self.shell = None
+        self.now: int | None = None
+
+    def install(self, shell) -> None:
+        self.shell = shell
+        for event, fn in (("pre_execute", self.clear), ("pre_run_cell", self.started)):
+            if fn not in shell.events.callbacks[event]:
+                shell.events.register(event, fn)
+
+    def clear(self) -> None:
+        self.now = None
+
+    def started(self, info) -> None:
+        n = self.shell.execution_count
+        self.now = n - 1 if info.store_history and self.COUNTS_AHEAD else n
+
+
+CELL_NUMBER = CellNumber()
 _SHELL = None
 _MAGICS: MeshMagics | None = None
 _ROUTER: OutputRouter | None = None
@@ -345,6 +375,7 @@ def load_ipython_extension(ipython) -> None:
         # ipykernel 7 reads it after any error; a UsageError (our bad-input reports) as the
         # first error of a kernel would otherwise crash the execute_request (no reply).
         ipython._last_traceback = None
+    CELL_NUMBER.install(ipython)
     _MAGICS = MeshMagics(ipython, _ROUTER)
     ipython.register_magics(_MAGICS)
     if rewrite_on_mesh_cell not in ipython.input_transformers_cleanup:

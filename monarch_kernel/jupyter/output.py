@@ -12,13 +12,17 @@ later line is written at once, from the I/O thread, under the cell's parent head
 (ipykernel's streams and display publisher take a per-thread parent). Per rank, order is
 always kept: a worker flushes its stdout before it sends a display or a reply, on the
 same socket. ``--stream`` on ``%%on_mesh`` goes live at once; ``MONARCH_KERNEL_HOLD_S``
-changes the hold.
+changes the hold. Figures and other rich displays of several ranks are gathered into one
+output, a grid or tabs (rank_grid.py); text stays in the stream.
 """
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import uuid
+
+from .rank_grid import grid_bundle, is_rich
 
 HOLD_S = float(os.environ.get("MONARCH_KERNEL_HOLD_S", "1.0"))
 
@@ -46,7 +50,11 @@ def label_display(rank: int, data: dict, metadata: dict) -> tuple[dict, dict]:
 
 
 class CellCapture:
-    """The output of one running cell: held (then ordered by rank) or live."""
+    """The output of one running cell: held (then ordered by rank) or live.
+
+    Rich displays (figures, HTML) of several ranks become one grid output (rank_grid.py):
+    held, it is written when the cell ends; live, it is written at the first one and
+    updated in place (a display id) as more arrive."""
 
     def __init__(self, router: OutputRouter, parent: dict | None, ranks, live: bool):
         self.router = router
@@ -54,12 +62,17 @@ class CellCapture:
         self.ranks = set(ranks)
         self.live = live
         self.held: list[tuple[int, tuple]] = []
+        self.rich: list[tuple[int, dict]] = []   # live: what the grid shows so far
+        self.grid_id: str | None = None
         self.lock = threading.Lock()
 
     def add(self, rank: int, item: tuple) -> None:
         with self.lock:
             if not self.live:
                 self.held.append((rank, item))
+                return
+            if item[0] == "display" and is_rich(item[1]):
+                self._grow_grid(rank, item[1], self.parent)
                 return
         self.router.emit(rank, item, self.parent)
 
@@ -71,16 +84,36 @@ class CellCapture:
             self.live = True
             held, self.held = self.held, []
             for rank, item in held:
-                self.router.emit(rank, item, self.parent)
+                if item[0] == "display" and is_rich(item[1]):
+                    self._grow_grid(rank, item[1], self.parent)
+                else:
+                    self.router.emit(rank, item, self.parent)
 
     def finish(self) -> None:
-        """The cell is done: write what was held, ordered by rank (stable per rank)."""
+        """The cell is done: write what was held, ordered by rank (stable per rank); the
+        rich displays of two or more ranks after it, as one grid."""
         with self.lock:
             held, self.held = self.held, []
             self.live = True
-        for rank, item in sorted(held, key=lambda ri: ri[0]):
-            self.router.emit(rank, item, None)
+        held.sort(key=lambda ri: ri[0])
+        rich = [(r, it[1]) for r, it in held if it[0] == "display" and is_rich(it[1])]
+        if len({r for r, _ in rich}) < 2:
+            rich = []
+        for rank, item in held:
+            if not (rich and item[0] == "display" and is_rich(item[1])):
+                self.router.emit(rank, item, None)
+        if rich:
+            self.router.publish(*grid_bundle(rich), None)
         self.router.flush()
+
+    def _grow_grid(self, rank: int, data: dict, parent) -> None:
+        self.rich.append((rank, data))
+        bundle, md = grid_bundle(self.rich)
+        if self.grid_id is None:
+            self.grid_id = uuid.uuid4().hex
+            self.router.publish(bundle, md, parent, self.grid_id)
+        else:
+            self.router.publish(bundle, md, parent, self.grid_id, update=True)
 
 
 class OutputRouter:
@@ -143,13 +176,19 @@ class OutputRouter:
             self._with_parent(out, parent, lambda: out.write(label_lines(rank, text)))
         else:
             _, data, metadata = item
-            data, md = label_display(rank, data, metadata)
-            pub = getattr(self.shell, "display_pub", None)
-            if pub is None:
-                sys.stdout.write(data.get("text/plain", "") + "\n")
-                return
-            self.flush()
-            self._with_parent(pub, parent, lambda: pub.publish(data=data, metadata=md))
+            self.publish(*label_display(rank, data, metadata), parent)
+
+    def publish(self, data: dict, md: dict, parent: dict | None, display_id: str | None = None,
+                update: bool = False) -> None:
+        """One display under the cell (``display_id``: one that later updates replace)."""
+        pub = getattr(self.shell, "display_pub", None)
+        if pub is None:
+            sys.stdout.write(data.get("text/plain", "") + "\n")
+            return
+        self.flush()
+        transient = {"display_id": display_id} if display_id else None
+        self._with_parent(pub, parent, lambda: pub.publish(data=data, metadata=md, transient=transient,
+                                                           update=update))
 
     def flush(self) -> None:
         for s in (sys.stdout, sys.stderr):

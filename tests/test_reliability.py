@@ -1,0 +1,125 @@
+"""Reliability as a user meets it (issue 9): stalls, dead hosts, leaks, hangs.
+
+Real procs throughout: agents are frozen with SIGSTOP and killed with SIGKILL, and the
+mesh must come back or fail at once with an error that names it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import pytest
+
+from monarch_kernel.actor import Actor, SupervisionError, endpoint, this_host
+from monarch_kernel.core.errors import MeshGoneError
+from monarch_kernel.core.runtime import runtime
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Counter(Actor):
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def bump(self) -> int:
+        self.n += 1
+        return self.n
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def sleep(self, s: float) -> None:
+        time.sleep(s)
+
+
+def _run_script(code: str, timeout: float = 90, env: dict | None = None) -> str:
+    """Run ``code`` in a fresh controller process (its own runtime and agents)."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "MONARCH_KERNEL_NO_TORCH": "1", **(env or {})},
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+# ---------------------------------------------------------------- 1. stalls are not deaths
+def test_a_frozen_host_agent_comes_back_with_its_procs_and_state_and_reports_what_failed():
+    hm = this_host("stall-test", lease=60)
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 2})
+        c = pm.spawn("c", Counter)
+        assert c.bump.call().get(30).values() == [1, 1]
+        agent = hm._agents[0]["pid"]
+        waiting = hm.status  # an agent request in flight during the freeze fails, and is reported
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            fut = runtime().agent_request(hm._agents[0]["addr"], hm._key, "status",
+                                          timeout_what="status during the freeze")
+            with pytest.raises(SupervisionError, match="silent|unreachable"):
+                fut.get(15)
+            time.sleep(0.5)
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while pm.dead_ranks() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pm.dead_ranks() == []
+        assert c.bump.call().get(30).values() == [2, 2]      # same procs, state kept
+        assert [r["state"] for r in waiting()] == ["alive", "alive"]
+        report = runtime().outages[-1]
+        assert report["procs_back"] == 2 and "status during the freeze" in report["failed"], report
+    finally:
+        hm.shutdown()
+
+
+def test_a_sync_of_many_tiny_files_does_not_lose_the_host(tmp_path):
+    # 20,000 files take the agent several seconds to write: longer than a 1 s host timeout.
+    src = tmp_path / "many"
+    for d in range(20):
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(1000):
+            (src / f"d{d}" / f"f{i}.txt").write_text(str(i))
+    out = _run_script(f"""
+        from monarch_kernel.actor import Actor, endpoint, this_host
+        class A(Actor):
+            @endpoint
+            def ping(self): return 1
+        pm = this_host().spawn_procs(per_host={{"gpus": 1}})
+        a = pm.spawn("a", A)
+        pm.sync_workspace([{str(src)!r}])
+        print("PING", a.ping.call().get(10).values(), pm.dead_ranks())
+        """, env={"MONARCH_KERNEL_HOST_TIMEOUT_S": "1.0", "MONARCH_KERNEL_HOME": str(tmp_path / "home")})
+    assert "PING [1] []" in out, out
+
+
+# ---------------------------------------------------------------- 3. dead hosts fail at once
+def test_requests_to_a_killed_host_fail_at_once_naming_the_mesh_and_this_host_starts_a_new_agent():
+    hm = this_host("dead-host-test", lease=60)
+    pm = hm.spawn_procs(per_host={"gpus": 2}, name="trainers")
+    c = pm.spawn("c", Counter)
+    c.bump.call().get(30)
+    os.kill(hm._agents[0]["pid"], signal.SIGKILL)
+    hm._process.wait(10)
+    time.sleep(1.2)   # the controller notices a dead local agent within about a heartbeat
+    t0 = time.monotonic()
+    with pytest.raises(SupervisionError) as call_err:
+        c.bump.call().get(10)
+    assert "mesh 'trainers'" in str(call_err.value) and "other ranks keep their state" not in str(call_err.value)
+    with pytest.raises(MeshGoneError, match="trainers"):
+        pm.respawn()
+    with pytest.raises(MeshGoneError, match="dead-host-test"):
+        hm.spawn_procs(per_host={"gpus": 1})
+    assert time.monotonic() - t0 < 3.0
+    hm2 = this_host("dead-host-test", lease=60)
+    try:
+        assert hm2 is not hm
+        assert hm2.spawn_procs(per_host={"gpus": 1}).spawn("c", Counter).bump.call().get(30).values() == [1]
+    finally:
+        hm2.shutdown()

@@ -154,7 +154,10 @@ class ProcWorker:
         import logging
 
         self.stream_to_client = stream
-        logging.getLogger().setLevel(level)
+        root = logging.getLogger()
+        root.setLevel(level)
+        if not root.handlers:   # records at the level reach the output (and so the controller)
+            root.addHandler(logging.StreamHandler(sys.stderr))
         self.rt.send(reply_to, self.key, ("r", call_id, self.proc_key, True, None))
 
     def _on_query(self, msg):
@@ -375,7 +378,7 @@ class ProcWorker:
         got this error as its reply already."""
         if owner is None:
             if self.sink is not None:
-                self.rt.send(self.sink[0], self.sink[1], ("unhandled", err, seen))
+                self.rt.send(self.sink[0], self.sink[1], ("unhandled", err, seen, aid))
             return
         addr, key, owner_aid = owner
         self.rt.send(addr, key, ("supervise", owner_aid, failure, aid))

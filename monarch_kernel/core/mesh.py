@@ -33,6 +33,9 @@ from .shape import Extent, MeshView
 from .values import ValueMesh
 
 T = TypeVar("T")
+# Actor meshes the controller spawned since a notebook cell began (jupyter/spawn_check.py
+# waits on them at the cell's end, so a failed __init__ shows under the cell that spawned it).
+recent_spawns: list = []
 
 
 class ProcMeshState:
@@ -180,6 +183,8 @@ class ProcMesh(_Sliceable):
         am.initialized = pending.future
         am.spawn_thread = threading.get_ident()
         st.actor_meshes[aid] = am
+        if rt.role == "controller":
+            recent_spawns.append(am)
         _note_owner(aid, keys)
         pending.future.add_done_callback(lambda f: _on_initialized(am, refs, f))
         _fail_if_dead(rt, keys, pending)

@@ -27,7 +27,11 @@ def default_unhandled_fault_hook(failure: MeshFailure) -> None:
                                     "a falsy value)")
 
 
-def deliver_unhandled(failure: MeshFailure, error: BaseException | None = None, seen: bool = False) -> None:
+_surfaced: set = set()   # actor meshes (ids) whose failure our default hook already queued
+
+
+def deliver_unhandled(failure: MeshFailure, error: BaseException | None = None, seen: bool = False,
+                      mesh_id: str | None = None) -> None:
     """Run the (possibly user-replaced) hook on the controller; what it raises is queued to
     surface at the next interaction. ``error``: what our default hook raises instead of a
     generic SupervisionError (e.g. the endpoint's own ActorError). ``seen``: a caller
@@ -41,8 +45,10 @@ def deliver_unhandled(failure: MeshFailure, error: BaseException | None = None, 
     log.error("unhandled supervision failure: %s", failure)
     if hook is default_unhandled_fault_hook:
         queued = runtime()._unhandled
-        if seen or any(_mesh_of(e) == failure.mesh for e in queued):
+        if seen or mesh_id in _surfaced or any(_mesh_of(e) == failure.mesh for e in queued):
             return
+        if mesh_id is not None:
+            _surfaced.add(mesh_id)
         if error is not None:
             queued.append(error)
             return

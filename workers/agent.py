@@ -101,6 +101,7 @@ class HostAgent:
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
         self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
+        self.ps_procs: dict = {}    # pid -> psutil.Process, kept between status calls (CPU %)
         self.sync_setup = None      # what a new proc needs from code sync (its sys.path, cwd)
         # Sync ops run on one thread of their own, in order (a plan or commit of 50,000 files
         # takes seconds): this loop keeps answering heartbeats and reaping procs meanwhile.
@@ -408,7 +409,9 @@ class HostAgent:
 
     def op_register_actor(self, ident, req, mesh_id, actor_id, record):
         m = self.registry.get(mesh_id)
-        if m is not None:
+        if m is not None and record is None:
+            m.get("actors", {}).pop(actor_id, None)   # stopped: gone for later controllers too
+        elif m is not None:
             m.setdefault("actors", {})[actor_id] = record
         self.reply(ident, req, True, None)
 
@@ -419,13 +422,31 @@ class HostAgent:
     def op_status(self, ident, req):
         import psutil
 
+        # One psutil.Process per pid, kept between calls: cpu_percent() measures since the
+        # previous call on the same object (a fresh one always says 0.0). Procs seen for the
+        # first time get one short common window instead.
+        known, self.ps_procs = self.ps_procs, {}
+        fresh = False
+        for p in self.procs.values():
+            if p.state == "alive" and p.pid:
+                ps = known.get(p.pid)
+                if ps is None:
+                    try:
+                        ps = psutil.Process(p.pid)
+                        ps.cpu_percent(interval=None)
+                        fresh = True
+                    except psutil.Error:
+                        continue
+                self.ps_procs[p.pid] = ps
+        if fresh:
+            time.sleep(0.1)
         rows = []
         for p in self.procs.values():
             row = {"key": p.key, "mesh": p.mesh_name, "rank": p.rank, "pid": p.pid, "state": p.state,
                    "host": self.host, "cpu": None, "rss": None}
-            if p.state == "alive":
+            ps = self.ps_procs.get(p.pid) if p.state == "alive" else None
+            if ps is not None:
                 try:
-                    ps = psutil.Process(p.pid)
                     row["cpu"] = ps.cpu_percent(interval=None)
                     row["rss"] = ps.memory_info().rss
                 except psutil.Error:

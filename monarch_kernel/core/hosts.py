@@ -237,10 +237,10 @@ class HostMesh:
                                 f"attach({self.name!r}) to use it again")
 
     # ------------------------------------------------------------------ internals used by ProcMesh
-    def _register_actor(self, st: ProcMeshState, am: ActorMeshState) -> None:
+    def _register_actor(self, st: ProcMeshState, am: ActorMeshState, forget: bool = False) -> None:
         rt = runtime()
         for addr in st.agents():
-            rt.agent_send(addr, self._key, "register_actor", st.id, am.id, am.record())
+            rt.agent_send(addr, self._key, "register_actor", st.id, am.id, None if forget else am.record())
 
     def _mark_stopped(self, st: ProcMeshState, why: str) -> None:
         rt = runtime()
@@ -256,6 +256,7 @@ class HostMesh:
         for f in futs:
             f.get(15)
         self._mark_stopped(st, "the proc mesh was stopped")
+        rt.forget_procs(st.procs)
         for addr in st.agents():
             rt.agent_send(addr, self._key, "register", st.id, None)
 
@@ -277,11 +278,11 @@ class HostMesh:
                 raise MeshGoneError(f"cannot respawn proc mesh '{st.name}': {e}. respawn() replaces dead "
                                     f"procs on a live host. {self._restart_hint()}") from None
             replaced.extend(zip(sorted(old, key=lambda r: r.rank), sorted(new, key=lambda r: r.rank)))
+        rt.forget_procs([old for old, _ in replaced])   # first: a new proc may reuse an old port
         rt.register_procs([n for _, n in replaced], self._key)
         for old, new in replaced:
             st.procs[new.rank] = new
             rt.dead.pop(old.key, None)
-            rt.procs.pop(old.key, None)
         # Re-create the actors that lived on the replaced procs, with their original arguments.
         new_by_rank = {n.rank: n for _, n in replaced}
         for am in list(st.actor_meshes.values()):

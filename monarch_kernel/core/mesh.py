@@ -36,6 +36,9 @@ T = TypeVar("T")
 # Actor meshes the controller spawned since a notebook cell began (jupyter/spawn_check.py
 # waits on them at the cell's end, so a failed __init__ shows under the cell that spawned it).
 recent_spawns: list = []
+# Called as ``hook(proc_mesh)`` after ``respawn()`` replaced dead procs (features that keep
+# per-mesh state on the procs register here, e.g. monarch_kernel.tensor re-forms its group).
+RESPAWN_HOOKS: list = []
 
 
 class ProcMeshState:
@@ -290,6 +293,8 @@ class ProcMesh(_Sliceable):
         if hm is None:
             raise MeshGoneError("respawn() is for the controller that spawned or attached this mesh")
         hm._respawn(st)
+        for hook in list(RESPAWN_HOOKS):
+            hook(self)
         return self
 
     def sync_workspace(self, paths=None, **kwargs):
@@ -297,6 +302,27 @@ class ProcMesh(_Sliceable):
         from ..sync import sync_workspace
 
         return sync_workspace(self, paths, **kwargs)
+
+    # torch.distributed and distributed tensors (monarch_kernel.tensor, imported on first use)
+    def init_process_group(self, backend: str | None = None, timeout: float | None = None) -> ProcMesh:
+        """torchrun's env and ``init_process_group`` on every proc (nccl with CUDA, else gloo)."""
+        from ..tensor.dist import init_process_group
+
+        return init_process_group(self, backend, timeout)
+
+    def distribute(self, tensor, placements=None):
+        """A handle to ``tensor`` laid out over this mesh (``placements``: one Shard(d) or
+        Replicate() per mesh dim); each rank holds its local DTensor."""
+        from ..tensor.handle import distribute
+
+        return distribute(self, tensor, placements)
+
+    def tensor(self, factory, placements=None):
+        """A handle to the tensor ``factory()`` makes on the ranks (rank 0's values), laid out
+        by ``placements``."""
+        from ..tensor.handle import from_factory
+
+        return from_factory(self, factory, placements)
 
     @property
     def telemetry(self):
@@ -431,6 +457,12 @@ class ActorMesh(_Sliceable, Generic[T]):
         rt = runtime()
         ps = st.proc_state
         live = [ps.procs[r] for r in st.view.ranks if ps.procs[r].key not in rt.dead and not ps.stopped]
+        # Stopped means gone: from this controller's listing and from the agents' registry,
+        # so a controller that attaches later does not see it either.
+        ps.actor_meshes.pop(st.id, None)
+        hm = getattr(ps, "host_mesh", None)
+        if hm is not None and not ps.stopped:
+            hm._register_actor(ps, st, forget=True)
         if not live:
             return _done(None, f"stop of '{st.name}'")
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",

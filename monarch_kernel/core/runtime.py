@@ -176,6 +176,8 @@ class Runtime:
         self.bind_host = bind_host
         self._tls = threading.local()
         self._all_senders: list[zmq.Socket] = []
+        self._retired: dict[str, int] = {}   # address of a forgotten proc -> generation (forget_procs)
+        self._retired_gen = 0
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
         self.outstanding: collections.Counter = collections.Counter()
@@ -218,9 +220,13 @@ class Runtime:
 
     # ----------------------------------------------------------------- sending (any thread)
     def _sender(self, addr: str) -> zmq.Socket:
-        socks = getattr(self._tls, "socks", None)
+        tls = self._tls
+        socks = getattr(tls, "socks", None)
         if socks is None:
-            socks = self._tls.socks = {}
+            socks = tls.socks = {}
+            tls.retired_seen = self._retired_gen
+        elif tls.retired_seen != self._retired_gen:
+            self._close_retired(tls)
         # Keyed by where we really connect: a tcp port can be reused by a new proc on this
         # host with a new ipc name, and a socket cached by the tcp address would still send
         # to the old one.
@@ -234,6 +240,34 @@ class Runtime:
             socks[target] = s
             self._all_senders.append(s)
         return s
+
+    def forget_procs(self, refs) -> None:
+        """Procs that were stopped or replaced: every thread closes its sockets to them (on
+        its next send; sockets are not thread-safe), so a spawn/stop cycle leaks no fd."""
+        retired = self._retired
+        self._retired_gen += 1
+        gen = self._retired_gen
+        for r in refs:
+            self.procs.pop(r.key, None)
+            for a in (r.work, r.ctrl, r.work_ipc, r.ctrl_ipc):
+                if a:
+                    retired[a] = gen
+            self.ipc_alias.pop(r.work, None)
+            self.ipc_alias.pop(r.ctrl, None)
+        while len(retired) > 4096:   # oldest first: every thread has long seen them
+            del retired[next(iter(retired))]
+        self.call_in_io(lambda: self._close_retired(self._tls) if hasattr(self._tls, "socks") else None)
+
+    def _close_retired(self, tls) -> None:
+        seen, retired, socks = tls.retired_seen, self._retired, tls.socks
+        tls.retired_seen = self._retired_gen
+        for target in [t for t in socks if retired.get(t, 0) > seen]:
+            s = socks.pop(target)
+            try:
+                self._all_senders.remove(s)
+            except ValueError:
+                pass
+            s.close(0)
 
     def pack(self, key: bytes, msg, dests=()) -> list:
         """Sign and pickle ``msg``. ``dests``: the addresses it will be sent to; when all are
@@ -296,10 +330,40 @@ class Runtime:
         if holder is not None and holder != threading.get_ident():
             self.send(self.address, next(iter(self.keyring._keys.values())), ("wake",))
 
+    def listen_on(self, host: str) -> str:
+        """Also accept on ``tcp://host:*`` and give that address to peers from now on.
+
+        A job's launcher calls it with the local address that routes to the job's hosts
+        (a notebook's runtime starts on loopback, before any job exists). Procs and agents
+        that already know the old address keep using it: it stays bound. The inbox is
+        taken over as ``wait_for`` does, so no other thread touches the socket meanwhile.
+        """
+        if host == self.bind_host:
+            return self.address
+        with self._want_lock:
+            self._inbox_wanted += 1
+        try:
+            while not self._inbox_lock.acquire(timeout=0.002):
+                if self._inbox_holder == self._thread.ident:
+                    os.write(self._wake_w, b"i")
+            try:
+                self.inbox.bind(f"tcp://{host}:*")
+                addr = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+            finally:
+                self._inbox_lock.release()
+        finally:
+            with self._want_lock:
+                self._inbox_wanted -= 1
+        self.address, self.bind_host = addr, host
+        self.contact = [addr, self.ipc_address, self.host_id]
+        return addr
+
     def register_procs(self, refs, key: bytes) -> None:
         self.keyring.add(key)
         for r in refs:
             self.procs[r.key] = (r, key)
+            for a in (r.work, r.ctrl, r.work_ipc, r.ctrl_ipc):   # a reused port is live again
+                self._retired.pop(a, None)
             if r.host_id and r.host_id == self.host_id and r.work_ipc:
                 self.ipc_alias[r.work] = r.work_ipc
                 self.ipc_alias[r.ctrl] = r.ctrl_ipc

@@ -30,12 +30,16 @@ def _per_host(text: str) -> dict:
 
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
-                      usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--lease DURATION]")
+                      usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
+                            "[--lease DURATION]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
                                              f"{default_mesh_name()!r})")
 _size = CONNECT.add_mutually_exclusive_group()
 _size.add_argument("--procs", type=int, metavar="N", help="N worker procs (default: one per GPU, else core)")
 _size.add_argument("--per-host", metavar="DIM=N", help="named dims per host, e.g. gpus=4")
+CONNECT.add_argument("--dist", nargs="?", const="auto", metavar="BACKEND",
+                     help="also form a torch.distributed process group over every proc (nccl with CUDA, "
+                          "else gloo; or name the backend)")
 CONNECT.add_argument("--lease", metavar="DURATION",
                      help="keep the mesh this long with no notebook attached (90s, 15m, 2h; default 1h)")
 
@@ -60,7 +64,19 @@ def connect(ctx, args):
     if isinstance(ns.get("mesh", None), (ProcMesh, type(None))):
         ns["mesh"] = pm
         print("`mesh` is its ProcMesh (spawn actors with mesh.spawn(...)); run cells with %%on_mesh")
+    if args.dist:
+        _connect_dist(pm, args.dist)
     return None
+
+
+def _connect_dist(pm: ProcMesh, backend: str) -> None:
+    from ..tensor.dist import mesh_group
+
+    t0 = time.perf_counter()
+    pm.init_process_group(None if backend == "auto" else backend)
+    g = mesh_group(pm)
+    print(f"torch.distributed: {g.backend} process group over {len(pm)} ranks in {time.perf_counter() - t0:.2f} s "
+          f"(collective timeout {g.timeout_s:g} s); cells can use DDP, FSDP and DTensor as under torchrun")
 
 
 def _progress(ctx):
@@ -237,5 +253,18 @@ _selection(PULL)
 @mesh_command(PULL)
 def pull(ctx, args):
     _, cells = ctx.require()
+    handle = ctx.shell.user_ns.get(args.name)
+    if type(handle).__name__ == "DistributedTensor" and type(handle).__module__ == "monarch_kernel.tensor.handle":
+        return _pull_shards(handle, args)
     target = select(cells, args.ranks, args.slice)
     return ctx.call_cells(target, "pull", (args.name,), what="the pull")
+
+
+def _pull_shards(handle, args):
+    """``%mesh pull`` of a distributed tensor handle: each rank's local shard, as a ValueMesh."""
+    from .display import CellValues
+
+    if args.ranks or args.slice:
+        raise UsageError("%mesh pull of a distributed tensor brings every rank's shard; use "
+                         "fetch_shard(t, gpus=i) for one")
+    return CellValues(handle.mesh.extent, handle.local_shards())

@@ -41,6 +41,7 @@ class AgentTelemetry:
         self.tables: dict[str, collections.deque] = {t: collections.deque(maxlen=MAX_ROWS) for t in TABLES}
         self.next_sample = 0.0
         self.respawning: set[str] = set()
+        self.status: dict[str, dict] = {}   # proc key -> what it reported at the last pull
         self.searches: queue.SimpleQueue = queue.SimpleQueue()   # (ident, req, ok, answer) from helper threads
         self.log_dir = log_dir(agent.name)
 
@@ -61,6 +62,7 @@ class AgentTelemetry:
 
     def proc_exited(self, p, pid: int, how: str, stopping: bool) -> None:
         self.sampler.forget(pid)
+        self.status.pop(p.key, None)
         self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, pid,
                                   "stopped" if stopping else "died", how))
 
@@ -103,7 +105,21 @@ class AgentTelemetry:
             out[name] = new
         self.agent.reply(ident, req, True, {"cursor": self._last_seq(), "rows": out, "host": self.agent.host,
                                             "agent": self.agent.name, "gpu": self.sampler.gpu.available,
-                                            "interval": self.interval})
+                                            "interval": self.interval, **self.now()})
+
+    def now(self) -> dict:
+        """The host's procs as they are now, and its lease (the Mesh panel, the status bar)."""
+        a = self.agent
+        procs = []
+        for p in a.procs.values():
+            st = dict(self.status.get(p.key, {}))
+            st.setdefault("state", "idle" if p.state == "alive" else p.state)
+            if p.state != "alive":
+                st["state"] = p.state   # dead, starting or stopping: the agent knows best
+            procs.append({"key": p.key, "mesh": p.mesh_name, "rank": p.rank, "pid": p.pid, **st})
+        detached = time.monotonic() - a.controller_seen if a.controller is None else 0.0
+        return {"procs": procs, "lease": a.lease, "detached_s": detached, "persistent": a.persistent,
+                "controller": a.controller_addr}
 
     def op_tel_config(self, ident, req, interval: float) -> None:
         """Sampling period in seconds; 0 turns sampling (and call-record collection) off."""
@@ -114,8 +130,11 @@ class AgentTelemetry:
                 self.agent.send(p.ident, ("ev", "tel_enable", self.interval > 0))
         self.agent.reply(ident, req, True, None)
 
-    def op_tel_calls(self, ident, req, calls: list, cells: list) -> None:
-        """A proc's call and cell records since its last report (fire and forget)."""
+    def op_tel_calls(self, ident, req, calls: list, cells: list, key: str = "", status: dict | None = None) -> None:
+        """A proc's call and cell records since its last report, and its status now (fire
+        and forget)."""
+        if key in self.agent.procs and status is not None:
+            self.status[key] = status
         for row in calls:
             self._add("calls", (*row[:1], self.agent.host, *row[1:]))
         for row in cells:

@@ -49,11 +49,11 @@ class ProcTelemetry:
         self.enabled = bool(on)
 
     def _on_pull(self, link):
-        """On the proc's I/O thread: send what was recorded since the last pull."""
-        if not self.calls and not self.cells:
-            return
-        calls, cells = _drain(self.calls), _drain(self.cells)
-        self.worker.rt.agent_send(self.worker.agent, self.worker.key, "tel_calls", calls, cells)
+        """On the proc's I/O thread: send what was recorded since the last pull, and what
+        the proc is doing now (its state, actors, debugger and buffers: the Mesh panel's)."""
+        w = self.worker
+        status = {"state": w.state, "actors": sorted({s.name for s in w.actors.values()}), **w.query_extra()}
+        w.rt.agent_send(w.agent, w.key, "tel_calls", _drain(self.calls), _drain(self.cells), w.proc_key, status)
 
 
 def _drain(d: collections.deque) -> list:

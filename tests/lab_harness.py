@@ -1,0 +1,99 @@
+"""A bounded JupyterLab on loopback for browser tests (headless Chromium via Playwright),
+with its own config, runtime and MONARCH_KERNEL_HOME; see ../shared/RECIPES.md."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from kernel_harness import ensure_kernelspec, home_processes
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+READY = """() => {
+  const app = window.jupyterapp; const w = app && app.shell.currentWidget;
+  const ctx = w && w.sessionContext; const k = ctx && ctx.session && ctx.session.kernel;
+  return !!(ctx && ctx.isReady && k && k.connectionStatus === 'connected' && k.status === 'idle');
+}"""
+
+
+def write_notebook(path: Path, cells: list[str]) -> None:
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+                    for src in cells],
+          "nbformat": 4, "nbformat_minor": 5,
+          "metadata": {"kernelspec": {"name": "monarch", "display_name": "Monarch (Python 3)", "language": "python"}}}
+    path.write_text(json.dumps(nb))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def jupyter_lab(tmp_path: Path, notebook: str, home: str | None = None):
+    """Yields (url of ``notebook`` under ``tmp_path/root``, MONARCH_KERNEL_HOME); stops Lab
+    and kills whatever it left under that home."""
+    ensure_kernelspec()
+    home = home or tempfile.mkdtemp(prefix="mk-lab-test-")
+    port, token = _free_port(), "labtest"
+    env = {**os.environ, "MONARCH_KERNEL_HOME": home, "MONARCH_KERNEL_PREWARM": "0",
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    jupyter = str(Path(sys.executable).parent / "jupyter")
+    no_news = tmp_path / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    no_news.mkdir(parents=True, exist_ok=True)
+    (no_news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        ["timeout", "600", jupyter, "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={tmp_path / 'root'}",
+         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--LabApp.expose_app_in_browser=True"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"JupyterLab did not start: {(tmp_path / 'lab.log').read_text()[-2000:]}")
+                time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}/lab/tree/{notebook}?token={token}", home
+    finally:
+        proc.send_signal(signal.SIGTERM)   # `timeout` passes it on; the server shuts its kernels down
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        _stop_leftovers(home)
+
+
+def _stop_leftovers(home: str) -> None:
+    left = home_processes(home)
+    deadline = time.monotonic() + 8
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = home_processes(home)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def extension_installed() -> bool:
+    return (Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "monarch-kernel" / "package.json").exists()

@@ -330,6 +330,34 @@ class Runtime:
         if holder is not None and holder != threading.get_ident():
             self.send(self.address, next(iter(self.keyring._keys.values())), ("wake",))
 
+    def listen_on(self, host: str) -> str:
+        """Also accept on ``tcp://host:*`` and give that address to peers from now on.
+
+        A job's launcher calls it with the local address that routes to the job's hosts
+        (a notebook's runtime starts on loopback, before any job exists). Procs and agents
+        that already know the old address keep using it: it stays bound. The inbox is
+        taken over as ``wait_for`` does, so no other thread touches the socket meanwhile.
+        """
+        if host == self.bind_host:
+            return self.address
+        with self._want_lock:
+            self._inbox_wanted += 1
+        try:
+            while not self._inbox_lock.acquire(timeout=0.002):
+                if self._inbox_holder == self._thread.ident:
+                    os.write(self._wake_w, b"i")
+            try:
+                self.inbox.bind(f"tcp://{host}:*")
+                addr = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+            finally:
+                self._inbox_lock.release()
+        finally:
+            with self._want_lock:
+                self._inbox_wanted -= 1
+        self.address, self.bind_host = addr, host
+        self.contact = [addr, self.ipc_address, self.host_id]
+        return addr
+
     def register_procs(self, refs, key: bytes) -> None:
         self.keyring.add(key)
         for r in refs:
@@ -600,9 +628,11 @@ class Runtime:
             fn(old_key, ref)
 
     def _on_unhandled(self, msg):
+        from .supervision import deliver_unhandled, failure_of
+
         err = msg[1]
-        log.error("unhandled supervision failure: %s", err)
-        self._unhandled.append(err)
+        deliver_unhandled(failure_of(err), err, seen=len(msg) > 2 and bool(msg[2]),
+                          mesh_id=msg[3] if len(msg) > 3 else None)
 
     def _on_agent_socket(self, sock):
         link = next((lk for lk in self.agents.values() if lk.sock is sock), None)

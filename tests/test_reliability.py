@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import cloudpickle
@@ -302,4 +303,47 @@ def test_a_spawn_the_host_cannot_hold_is_refused_before_forking_and_the_mesh_kee
         else:
             assert _agent_children(hm) == 0
     finally:
+        hm.shutdown()
+
+
+# ---------------------------------------------------------------- 6. unauthenticated peers are cheap
+def test_a_huge_frame_and_many_idle_connections_from_a_peer_without_the_key_cost_the_agent_little():
+    import socket
+
+    import psutil
+    import zmq
+
+    hm = this_host("flood-test", lease=60)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        agent = psutil.Process(hm._agents[0]["pid"])
+        rss0, fds0 = agent.memory_info().rss, agent.num_fds()
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(hm._agents[0]["addr"])
+        peak = [rss0]
+        done = threading.Event()
+
+        def watch():   # the frame is freed once dropped: catch the peak while it arrives
+            while not done.is_set():
+                peak[0] = max(peak[0], agent.memory_info().rss)
+                time.sleep(0.005)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        d.send(b"x" * (256 << 20))                           # no key: must not be allocated
+        time.sleep(2)
+        done.set()
+        watcher.join()
+        assert peak[0] - rss0 < 64 << 20, "the agent allocated the unauthenticated frame"
+        host, port = hm._agents[0]["addr"][len("tcp://"):].rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port))) for _ in range(300)]   # idle, no handshake
+        time.sleep(4)
+        assert agent.num_fds() - fds0 < 20, "idle unauthenticated connections still hold the agent's fds"
+        pm = hm.spawn_procs(per_host={"gpus": 1}, name="after-flood")
+        assert pm.spawn("c", Counter).bump.call().get(30).values() == [1]
+    finally:
+        for s in socks:
+            s.close()
+        ctx.destroy(0)
         hm.shutdown()

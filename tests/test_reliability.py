@@ -347,3 +347,112 @@ def test_a_huge_frame_and_many_idle_connections_from_a_peer_without_the_key_cost
             s.close()
         ctx.destroy(0)
         hm.shutdown()
+
+
+# ---------------------------------------------------------------- 5. replayed frames are dropped
+class _RecordingProxy:
+    """A ZeroMQ proxy between the controller and an agent that records every message the
+    controller sends: the real frames an eavesdropper on the link would capture."""
+
+    def __init__(self, target: str):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.bind("tcp://127.0.0.1:*")
+        self.addr = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.back = self.ctx.socket(zmq.DEALER)
+        self.back.connect(target)
+        self.sent: list[list[bytes]] = []
+        self.closing = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        ident = None
+        while not self.closing:
+            for sock, _ in poller.poll(50):
+                if sock is self.front:
+                    ident, *frames = self.front.recv_multipart()
+                    self.sent.append(frames)
+                    self.back.send_multipart(frames)
+                else:
+                    self.front.send_multipart([ident, *self.back.recv_multipart()])
+
+    def close(self):
+        self.closing = True
+        self.thread.join(2)
+        self.ctx.destroy(0)
+
+
+def test_a_captured_spawn_replayed_to_the_agent_forks_nothing():
+    import zmq
+
+    from monarch_kernel.core.connection import new_key
+    from monarch_kernel.core.hosts import attach_to_workers
+    from monarch_kernel.launch.local import start_local_agent
+
+    key = new_key()
+    agent, process = start_local_agent(key, name="replay-test", persistent=False, lease=60)
+    proxy = _RecordingProxy(agent["addr"])
+    hm = attach_to_workers([proxy.addr], key, name="replay-test")
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 1}, name="replayed")
+        c = pm.spawn("c", Counter)
+        assert c.bump.call().get(30).values() == [1]
+        captured = list(proxy.sent)               # hello, spawn, register, heartbeats...
+        assert any(b"spawn" in f[0] for f in captured)
+        children = _agent_children_of(process.pid)
+        ctx = zmq.Context()
+        replay = ctx.socket(zmq.DEALER)
+        replay.connect(agent["addr"])
+        for frames in captured:                   # the same frames, from another connection
+            replay.send_multipart(frames)
+        time.sleep(2.0)
+        ctx.destroy(0)
+        assert _agent_children_of(process.pid) == children, "a replayed spawn forked procs"
+        assert c.bump.call().get(30).values() == [2]
+    finally:
+        hm.shutdown()
+        proxy.close()
+        process.wait(10)
+
+
+def _agent_children_of(pid: int) -> int:
+    import psutil
+
+    return len(psutil.Process(pid).children(recursive=True))
+
+
+def test_a_captured_call_replayed_to_the_proc_does_not_run_again(monkeypatch):
+    import zmq
+
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="replay-calls")
+    try:
+        c = pm.spawn("c", Counter)
+        rt = runtime()
+        captured: list[tuple[str, list[bytes]]] = []
+        real_send = rt.send_frames
+
+        def recording_send(addr, frames):   # the frames exactly as they go on the wire
+            captured.append((addr, [bytes(f) for f in frames]))
+            real_send(addr, frames)
+        monkeypatch.setattr(rt, "send_frames", recording_send)
+        assert c.bump.call().get(30).values() == [1]
+        monkeypatch.undo()
+        (addr, frames), = [(a, f) for a, f in captured if a == pm.procs()[0].work]
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.PUSH)
+        s.connect(addr)
+        s.send_multipart(frames)            # the same call, sent again
+        s.send_multipart(frames)
+        time.sleep(1.0)
+        ctx.destroy(2000)
+        assert c.bump.call().get(30).values() == [2], "a replayed call ran again"
+    finally:
+        pm.stop()

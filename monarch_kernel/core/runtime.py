@@ -628,9 +628,11 @@ class Runtime:
             fn(old_key, ref)
 
     def _on_unhandled(self, msg):
+        from .supervision import deliver_unhandled, failure_of
+
         err = msg[1]
-        log.error("unhandled supervision failure: %s", err)
-        self._unhandled.append(err)
+        deliver_unhandled(failure_of(err), err, seen=len(msg) > 2 and bool(msg[2]),
+                          mesh_id=msg[3] if len(msg) > 3 else None)
 
     def _on_agent_socket(self, sock):
         link = next((lk for lk in self.agents.values() if lk.sock is sock), None)

@@ -377,6 +377,9 @@ def load_ipython_extension(ipython) -> None:
         ipython._last_traceback = None
     CELL_NUMBER.install(ipython)
     _MAGICS = MeshMagics(ipython, _ROUTER)
+    from .spawn_check import install as install_spawn_check
+
+    install_spawn_check(ipython)   # a cell that spawns shows a failed __init__ under itself
     ipython.register_magics(_MAGICS)
     if rewrite_on_mesh_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(rewrite_on_mesh_cell)

@@ -260,6 +260,22 @@ class ProcMesh(_Sliceable):
             hm._stop_proc_mesh(st)
         return _done(None, f"stop of '{st.name}'")
 
+    @property
+    def initialized(self) -> Future:
+        """Monarch's ``await procs.initialized``: our procs are up when spawn_procs returns."""
+        return _done(True, f"proc mesh '{self._state.name}'")
+
+    @property
+    def host_mesh(self):
+        """The HostMesh these procs run on (None in a process that did not spawn or attach it)."""
+        return self._state.host_mesh
+
+    async def __aenter__(self) -> ProcMesh:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop()
+
     def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: int | None = None,
                        level: int = logging.INFO) -> Future[None]:
         """Monarch's output options for the procs of this mesh, applied when this returns:

@@ -3,8 +3,9 @@
   python bench/bench_telemetry.py [--n 4] [--rounds 6] [--log-gb 1.0] [--skip-logs]
 
 * overhead: the reference workload's call_one p50 and pipelined calls/s on one 4-proc
-  mesh, in alternating rounds with telemetry off (``sampling(0)``: no samples, no call
-  records) and on (every second), so both see the same machine load; medians and the ratio.
+  mesh, in rounds rotating off, on, off (``sampling(0)``: no samples, no call records;
+  on: every second), so both see the same machine load and neither always goes first;
+  medians of each, the ratio, and the spread of the "off" rounds (the noise floor).
 * death to row: from SIGKILL of a proc to its ``died`` row in ``procs.telemetry`` (what
   the Mesh panel and ``%mesh top`` read), polling every 20 ms.
 * logs: ``%mesh logs --grep`` (``procs.telemetry.logs``) over ``--log-gb`` of log files
@@ -53,17 +54,20 @@ def overhead(procs, rounds: int, n: int) -> None:
     one = procs.spawn("bench", Bench).slice(gpus=0)
     tel = procs.telemetry
     got: dict[bool, list] = {False: [], True: []}
-    for i in range(rounds * 2):
-        on = i % 2 == 1
+    for i in range(rounds * 3):
+        on = i % 3 == 1
         tel.sampling(1.0 if on else 0)
         time.sleep(1.2)   # at least one sample (and pull) inside an "on" round
         got[on].append(round_figures(one))
     tel.sampling(1.0)
     for idx, metric, unit in ((0, "rt_one_p50_us", "us"), (1, "pipelined_calls_per_s", "calls/s")):
-        off = statistics.median(x[idx] for x in got[False])
+        offs = [x[idx] for x in got[False]]
+        off = statistics.median(offs)
         on_ = statistics.median(x[idx] for x in got[True])
         slower = (on_ / off - 1) if idx == 0 else (off / on_ - 1)
-        emit(f"telemetry_{metric}_off", round(off, 1), unit, n=n, rounds=rounds)
+        q = statistics.quantiles(offs, n=4)
+        emit(f"telemetry_{metric}_off", round(off, 1), unit, n=n, rounds=len(offs),
+             iqr_pct=round(100 * (q[2] - q[0]) / off, 1))
         emit(f"telemetry_{metric}_on", round(on_, 1), unit, n=n, rounds=rounds)
         emit(f"telemetry_{metric}_slowdown_pct", round(100 * slower, 2), "%", n=n, rounds=rounds)
 

@@ -204,3 +204,26 @@ if __name__ == "__main__":
     with SlurmCluster() as c:
         print(f"SLURM_CONF={c.conf}", flush=True)
         input("Slurm test cluster up; Enter stops it\n")
+
+
+def cluster_fixture():
+    """Body of a module-scoped pytest fixture: a cluster, SLURM_CONF set while it runs."""
+    import pytest
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"no Slurm test cluster: {why}")
+    old = os.environ.get("SLURM_CONF")
+    try:
+        c = SlurmCluster().__enter__()
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot start a Slurm test cluster here: {getattr(e, 'stderr', '') or e}")
+    os.environ["SLURM_CONF"] = c.conf
+    try:
+        yield c
+    finally:
+        c.stop()
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old

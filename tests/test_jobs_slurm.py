@@ -14,7 +14,7 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-from slurm_cluster import SlurmCluster, unavailable
+from slurm_cluster import cluster_fixture
 
 from monarch_kernel.actor import Actor, SupervisionError, endpoint
 from monarch_kernel.job import JobError, JobGoneError, SlurmJob
@@ -25,23 +25,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the nodes need n
 
 @pytest.fixture(scope="module")
 def cluster():
-    why = unavailable()
-    if why:
-        pytest.skip(f"no Slurm test cluster: {why}")
-    old = os.environ.get("SLURM_CONF")
-    try:
-        c = SlurmCluster().__enter__()
-    except (RuntimeError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"cannot start a Slurm test cluster here: {getattr(e, 'stderr', '') or e}")
-    os.environ["SLURM_CONF"] = c.conf
-    try:
-        yield c
-    finally:
-        c.stop()
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
+    yield from cluster_fixture()
 
 
 class Counter(Actor):

@@ -101,9 +101,16 @@ def test_mesh_panel_status_bar_and_buttons_follow_the_mesh(tmp_path):
                 .some(c => c.model.sharedModel.getSource().startsWith('%%on_mesh\\nimport os'))""")
             page.screenshot(path=str(shots / "mesh-3-after-respawn-and-on-mesh.png"))
 
+            # "logs" opens the ranks' output kept on the host
+            mesh.get_by_role("button", name="logs").click()
+            page.locator(".mk-logs pre", has_text="[rank 1] hello from 1").wait_for(timeout=15_000)
+            page.screenshot(path=str(shots / "mesh-4-logs.png"))
+            page.evaluate("() => window.jupyterapp.shell.activateById(window.jupyterapp.shell.widgets('main')"
+                          ".next().value.id)")   # back to the notebook
+
             # stop, from the panel: the mesh goes away
             mesh.get_by_role("button", name="stop").click()
             mesh.wait_for(state="detached", timeout=20_000)
-            page.screenshot(path=str(shots / "mesh-4-stopped.png"))
+            page.screenshot(path=str(shots / "mesh-5-stopped.png"))
         finally:
             ctx.close()

@@ -174,3 +174,27 @@ def test_sampling_off_stops_new_samples_and_a_bad_query_names_the_tables(mesh):
         tel.sampling(1.0)
     with pytest.raises(ValueError, match="Tables: samples, proc_events, calls, cells"):
         tel.query("select nope from samples")
+
+
+# ----------------------------------------------------------------------- the Mesh panel's server API
+def test_server_api_describes_meshes_from_connection_files_without_attaching():
+    from monarch_kernel.telemetry import server
+
+    hm = this_host("tel-server-api")
+    try:
+        pm = hm.spawn_procs({"gpus": 2})
+        time.sleep(1.5)   # a sample or two
+        found = {m["name"]: m for m in server._meshes()}
+        assert found["tel-server-api"]["alive"]
+        m = wait_for(lambda: (lambda d: d if len(d["procs"][0]["rss_hist"]) >= 1 else None)(
+            server.describe_mesh("tel-server-api", found["tel-server-api"]["info"], True)), within=4)
+        assert [p["rank"] for p in m["procs"]] == [0, 1] and {p["state"] for p in m["procs"]} == {"idle"}
+        assert m["controller_pids"] == [os.getpid()] and m["gpu"] is False
+        assert m["procs"][0]["rss_mb"] > 10 and m["procs"][0]["gpu_util"] is None
+
+        os.kill(pm.procs()[0].pid, signal.SIGKILL)
+        m = wait_for(lambda: (lambda d: d if d["procs"][0]["state"] == "dead" else None)(
+            server.describe_mesh("tel-server-api", found["tel-server-api"]["info"], True)), within=3)
+        assert m and m["procs"][0]["cpu"] is None
+    finally:
+        hm.shutdown()

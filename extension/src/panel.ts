@@ -44,7 +44,7 @@ function buffers(procs: IProc[]): string {
   return n ? `${n} (${(total / 2 ** 20).toFixed(1)} MiB)` : '';
 }
 
-function procRow(p: IProc, hosts: boolean): string {
+function procRow(p: IProc, hosts: boolean, gpu: boolean): string {
   const state = stateLabel(p.state);
   const cls = p.state === 'dead' ? 'mk-dead' : p.state.startsWith('paused') ? 'mk-paused' : '';
   const num = (v: number | null, unit: string) => (v === null || v === undefined ? '' : `${v.toFixed(0)}${unit}`);
@@ -53,7 +53,9 @@ function procRow(p: IProc, hosts: boolean): string {
     `<td>${p.rank}</td>${hosts ? `<td>${esc(p.host)}</td>` : ''}` +
     `<td class="mk-state" title="${esc(state)}">${esc(state)}</td>` +
     `<td>${spark(p.cpu_hist, 100, '#4a90d9')} ${num(p.cpu, '%')}</td>` +
-    `<td>${spark(p.rss_hist, 0, '#8e44ad')} ${num(p.rss_mb, 'M')}</td></tr>`
+    `<td>${spark(p.rss_hist, 0, '#8e44ad')} ${num(p.rss_mb, 'M')}</td>` +
+    (gpu ? `<td>${num(p.gpu_util, '%')}</td>` : '') + // absent, not 0, on a host without a GPU
+    '</tr>'
   );
 }
 
@@ -78,7 +80,7 @@ function meshBlock(m: IMesh, mine: boolean): string {
   const many = new Set(m.procs.map(p => p.host)).size > 1;
   const table = m.procs.length
     ? `<table class="mk-procs"><tr><th>rank</th>${many ? '<th>host</th>' : ''}<th>state</th><th>CPU</th>` +
-      `<th>memory</th></tr>${m.procs.map(p => procRow(p, many)).join('')}</table>`
+      `<th>memory</th>${m.gpu ? '<th>GPU</th>' : ''}</tr>${m.procs.map(p => procRow(p, many, m.gpu)).join('')}</table>`
     : '';
   const actors = [...new Set(m.procs.flatMap(p => p.actors))].sort();
   const rdma = buffers(m.procs);

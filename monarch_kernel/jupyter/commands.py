@@ -42,6 +42,11 @@ CONNECT.add_argument("--dist", nargs="?", const="auto", metavar="BACKEND",
                           "else gloo; or name the backend)")
 CONNECT.add_argument("--lease", metavar="DURATION",
                      help="keep the mesh this long with no notebook attached (90s, 15m, 2h; default 1h)")
+_where = CONNECT.add_mutually_exclusive_group()
+_where.add_argument("--job", metavar="VAR", help="hosts from a monarch_kernel.job job in notebook variable VAR "
+                                                 "(its first mesh)")
+_where.add_argument("--slurm", metavar='"SBATCH ARGS"', help='hosts from a Slurm allocation, e.g. --slurm "-N 2 '
+                                                             '-p gpu --gpus-per-node 8"')
 
 
 @mesh_command(CONNECT)
@@ -50,13 +55,18 @@ def connect(ctx, args):
         raise ValueError(f"--procs must be at least 1, got {args.procs}")
     per_host = _per_host(args.per_host) if args.per_host else None
     lease = parse_duration(args.lease) if args.lease else None
+    from .jobs import job_from_args, job_progress
+
+    job = job_from_args(ctx.shell.user_ns, args, lease)
     t0 = time.perf_counter()
-    pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=_progress(ctx))
+    pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=_progress(ctx), job=job,
+                                      job_progress=job_progress() if job is not None else None)
     took = time.perf_counter() - t0
     name = ctx.session.name
     dims = ", ".join(f"{k}={v}" for k, v in pm.sizes.items())
     how = "started" if spawned else "re-attached (namespaces and actors kept)"
-    print(f"mesh {name!r}: {len(pm)} procs ({dims}) {how} in {took:.2f} s")
+    where = f" on {job.kind} job {job.job_id}" if job is not None else ""
+    print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     dead = pm.dead_ranks()
     if dead:
         print(f"{rank_ranges(dead)} died while no notebook was attached: `mesh.respawn()` replaces them")
@@ -139,7 +149,12 @@ def status(ctx, args):
     dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
     dead = procs.dead_ranks()
     note = f"{rank_ranges(dead)} dead: `mesh.respawn()` replaces them" if dead else ""
-    return Table(f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})", head, rows, note)
+    title = f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})"
+    if ctx.session.job is not None:
+        from .jobs import describe_job
+
+        title += f"; {describe_job(ctx.session.job)}"
+    return Table(title, head, rows, note)
 
 
 def _state(s: str) -> str:

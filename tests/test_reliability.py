@@ -209,8 +209,8 @@ def test_status_cpu_column_shows_a_busy_rank_busy_and_an_idle_one_idle():
         hm.status()
         time.sleep(1.0)
         rows = {r["rank"]: r for r in hm.status() if r["mesh"] == "spinners"}
-        assert rows[0]["cpu"] > 30, rows
-        assert rows[1]["cpu"] < 30, rows
+        # A loaded 2-core CI machine gives a spinning proc far less than 100%: compare the two.
+        assert rows[0]["cpu"] >= 10 and rows[1]["cpu"] < rows[0]["cpu"] / 2, rows
         busy.get(10)
     finally:
         hm.shutdown()
@@ -233,5 +233,73 @@ def test_a_stopped_actor_mesh_is_gone_here_and_for_a_controller_that_attaches_la
             hm.detach()
             """)
         assert "ACTORS ['kept']" in out, out
+    finally:
+        hm.shutdown()
+
+
+# ---------------------------------------------------------------- 9. interrupting async endpoints
+class Sleeper(Actor):
+    def __init__(self):
+        self.cancelled = 0
+
+    @endpoint
+    async def wait_forever(self) -> None:
+        import asyncio
+
+        try:
+            await asyncio.sleep(1000)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    @endpoint
+    async def cancelled_count(self) -> int:
+        return self.cancelled
+
+
+def test_interrupt_cancels_a_stuck_async_endpoint_and_the_actor_serves_the_next_call():
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="sleepers")
+    try:
+        s = pm.spawn("s", Sleeper)
+        stuck = s.wait_forever.call()
+        time.sleep(0.3)
+        assert [st["state"] for st in pm.states().values()] == ["awaiting s.wait_forever"] * 2
+        pm.interrupt()
+        with pytest.raises(ActorError, match="interrupted: s.wait_forever was cancelled"):
+            stuck.get(10)
+        assert s.cancelled_count.call().get(10).values() == [1, 1]   # CancelledError ran in the endpoint
+        assert [st["state"] for st in pm.states().values()] == ["idle", "idle"]
+    finally:
+        pm.stop()
+
+
+# ---------------------------------------------------------------- 2. spawn limits
+def _agent_children(hm) -> int:
+    import psutil
+
+    return len(psutil.Process(hm._agents[0]["pid"]).children(recursive=True)) - 1   # minus the zygote
+
+
+@pytest.mark.parametrize("env, match", [({"MONARCH_KERNEL_MAX_PROCS": "4"}, "holds at most 4"),
+                                        ({"MONARCH_KERNEL_PROC_MEM_MB": "100000000"}, "MB are available")])
+def test_a_spawn_the_host_cannot_hold_is_refused_before_forking_and_the_mesh_keeps_working(
+        monkeypatch, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)   # the agent started below reads them
+    hm = this_host("spawn-limit-test", lease=60)
+    try:
+        if "MONARCH_KERNEL_MAX_PROCS" in env:
+            kept = hm.spawn_procs(per_host={"gpus": 2}, name="kept").spawn("c", Counter)
+            kept.bump.call().get(30)
+            n_before = _agent_children(hm)
+        with pytest.raises(ValueError, match=match):
+            hm.spawn_procs(per_host={"gpus": 10000 if "MONARCH_KERNEL_MAX_PROCS" in env else 2})
+        time.sleep(0.5)
+        if "MONARCH_KERNEL_MAX_PROCS" in env:
+            assert _agent_children(hm) == n_before, "procs were forked for a refused spawn"
+            assert kept.bump.call().get(30).values() == [2, 2]
+            assert len(hm.spawn_procs(per_host={"gpus": 2}, name="more")) == 2   # within the cap: fine
+        else:
+            assert _agent_children(hm) == 0
     finally:
         hm.shutdown()

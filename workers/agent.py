@@ -198,6 +198,8 @@ class HostAgent:
                 if p is not None:
                     p.pid = ev["pid"]
                     self.by_pid[p.pid] = p
+                    if p.state == "stopping":   # its spawn failed meanwhile: it must not live
+                        _kill(p.pid, signal.SIGKILL)
             elif ev["op"] == "exit":
                 self._proc_exited(ev["pid"], ev["code"])
 
@@ -264,7 +266,9 @@ class HostAgent:
             if p.key in sp["keys"]:
                 del self.spawns[sid]
                 self.reply(sp["ident"], sp["req"], False,
-                           RuntimeError(f"proc rank {p.rank} on {self.host} {how} while starting"))
+                           RuntimeError(f"proc rank {p.rank} on {self.host} {how} while starting; the other "
+                                        f"procs of this spawn were stopped"))
+                self._cancel_spawn(sp["keys"])
         self.event("died", p.key, failure)
         for q in self.procs.values():
             if q.state == "alive" and q.ident is not None:
@@ -371,11 +375,40 @@ class HostAgent:
         self.lease = None if seconds is None else float(seconds)
         self.reply(ident, req, True, None)
 
+    def _cancel_spawn(self, keys):
+        """A spawn that failed: stop what started, and kill what is still being forked."""
+        procs = [self.procs[k] for k in keys if k in self.procs]
+        for p in procs:
+            if p.state == "starting" and not p.pid:
+                p.state = "stopping"   # killed as soon as the zygote says it forked
+        self._stop_procs([p for p in procs if p.pid])
+
+    def check_capacity(self, n: int) -> None:
+        """Refuse a spawn this host cannot hold, before forking anything: a cap on procs per
+        host (MONARCH_KERNEL_MAX_PROCS) and the memory a proc needs
+        (MONARCH_KERNEL_PROC_MEM_MB, against what the host has available now)."""
+        import psutil
+
+        running = sum(1 for p in self.procs.values() if p.state in ("starting", "alive"))
+        cap = int(os.environ.get("MONARCH_KERNEL_MAX_PROCS", "0")) or max(64, 8 * (os.cpu_count() or 1))
+        if running + n > cap:
+            raise ValueError(f"cannot start {n} proc(s) on host {self.host}: it runs {running} and holds at most "
+                             f"{cap} (MONARCH_KERNEL_MAX_PROCS on the agent). Ask for fewer per host, or raise "
+                             "the cap if the host really has room")
+        per_mb = float(os.environ.get("MONARCH_KERNEL_PROC_MEM_MB", "150"))
+        avail_mb = psutil.virtual_memory().available / 2**20
+        if n * per_mb > avail_mb:
+            raise ValueError(f"cannot start {n} proc(s) on host {self.host}: they need about {n * per_mb:,.0f} MB "
+                             f"({per_mb:.0f} MB each, MONARCH_KERNEL_PROC_MEM_MB) and {avail_mb:,.0f} MB are "
+                             f"available; room for about {int(avail_mb // per_mb)}. Ask for fewer per host")
+
     def op_spawn(self, ident, req, mesh_id, mesh_name, ranks, labels, sizes, sink):
+        self.check_capacity(len(ranks))
         keys = [self._fork(mesh_id, mesh_name, r, labels, sizes, sink, i) for i, r in enumerate(ranks)]
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys}
 
     def op_respawn(self, ident, req, old_keys, sink):
+        self.check_capacity(len(old_keys))
         keys = []
         for old in old_keys:
             p = self.procs.get(old)
@@ -389,7 +422,8 @@ class HostAgent:
     def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id=""):
         """A proc reports it is up (sent from the proc's own agent link)."""
         p = self.procs.get(key)
-        if p is None:
+        if p is None or p.state == "stopping":
+            _kill(pid, signal.SIGKILL)   # its spawn failed or was stopped while it started
             return
         p.ident, p.state, p.pid = ident, "alive", pid
         self.by_pid[pid] = p

@@ -104,6 +104,7 @@ class ProcWorker:
         self.deferred: collections.deque = collections.deque()   # their messages, kept for later
         self.deferred_for: collections.Counter = collections.Counter()
         self.state = "idle"
+        self.async_calls: dict = {}   # call id -> [concurrent future, "Actor.method"] awaiting on the loop
         self.main_ident = threading.get_ident()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.running = True
@@ -142,11 +143,16 @@ class ProcWorker:
         self.sink = (self.rt.learn_contact(addr), key) if addr else None
 
     def _on_interrupt(self, msg):
+        """Interrupt what runs now: KeyboardInterrupt in sync code on the main thread, and
+        CancelledError in the async endpoints awaiting on the event loop."""
         _, call_id = msg
         busy = self.busy_call
         if busy is not None and (call_id is None or busy[1] == call_id):
             self.interrupting = busy
             signal.pthread_kill(self.main_ident, signal.SIGINT)
+        for cid, (fut, _) in list(self.async_calls.items()):
+            if fut is not None and (call_id is None or cid == call_id):
+                fut.cancel()   # thread-safe: the loop cancels the task, CancelledError inside it
 
     def _on_logging_option(self, msg):
         """ProcMesh.logging_option: where output goes and the root logger's level."""
@@ -163,7 +169,10 @@ class ProcWorker:
     def _on_query(self, msg):
         """Answered on the I/O thread, so it works while the main thread runs user code."""
         _, reply_to, call_id = msg
-        info = {"state": self.state, "pid": os.getpid(), "host": self.host, "rank": self.rank,
+        state = self.state
+        if state == "idle" and self.async_calls:
+            state = "awaiting " + ", ".join(sorted({w for _, w in self.async_calls.values()}))
+        info = {"state": state, "pid": os.getpid(), "host": self.host, "rank": self.rank,
                 "actors": sorted({s.name for s in self.actors.values()}), **self.query_extra()}
         self.rt.send(reply_to, self.key, ("r", call_id, self.proc_key, True, info))
 
@@ -511,14 +520,22 @@ class ProcWorker:
         return self._loop
 
     def _run_async(self, slot, aid, method, args, kwargs, reply_to, call_id, explicit):
+        where = f"{slot.name}.{method}"
+        key = call_id or object()   # a broadcast has no call id; it can still be interrupted
+
         async def run():
             _CTX.set(slot.ctx)
             exc = None
             started, t0 = time.time(), time.perf_counter()
             try:
                 value, ok = await getattr(slot.obj, method)(*args, **kwargs), True
+            except asyncio.CancelledError as e:   # an interrupt: the call fails, the actor lives on
+                value, ok = self._error(e, where), False
+                value.message = f"interrupted: {where} was cancelled (CancelledError raised in it)"
             except BaseException as e:
-                value, ok, exc = self._error(e, f"{slot.name}.{method}"), False, e
+                value, ok, exc = self._error(e, where), False, e
+            finally:
+                self.async_calls.pop(key, None)
             self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
             fatal = exc is not None and (not isinstance(exc, Exception) or not call_id)
             if fatal:   # the actor is stopped on the main thread, after this reply
@@ -528,7 +545,8 @@ class ProcWorker:
             else:
                 self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc)
 
-        asyncio.run_coroutine_threadsafe(run(), self._event_loop())
+        holder = self.async_calls[key] = [None, where]   # before it runs: it removes itself when done
+        holder[0] = asyncio.run_coroutine_threadsafe(run(), self._event_loop())
 
 
 async def _awaited(awaitable, ctx=None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import logging
 import threading
+import time
 import uuid
 from typing import Generic, TypeVar
 
@@ -230,18 +231,27 @@ class ProcMesh(_Sliceable):
                                        "state query")
         for ref in live:
             rt.send(ref.ctrl, st.key, ("query", rt.address, call_id))
-        try:
-            got = dict(zip([r.key for r in live], pending.future.get(timeout).values()))
-        except TimeoutError:
-            rt.abandon(call_id)
-            got = {}
+        # A proc answers from its I/O thread in a millisecond, unless native code holds its GIL:
+        # once some have answered, wait at most a second for the rest, then say which are stuck.
+        t0 = time.monotonic()
+        while True:
+            try:
+                got = dict(zip([r.key for r in live], pending.future.get(0.05).values()))
+                break
+            except TimeoutError:
+                waited = time.monotonic() - t0
+                if waited >= timeout or (waited >= 1.0 and any(pending.answered)):
+                    rt.abandon(call_id)
+                    got = {k: pending.results[i] for k, i in pending.index.items() if pending.answered[i]}
+                    break
         out = []
         for ref in refs:
             if ref.key in rt.dead or st.stopped:
                 out.append({"state": "dead", "pid": ref.pid, "host": ref.host, "rank": ref.rank})
             else:
                 out.append(got.get(ref.key, {"state": "unresponsive", "pid": ref.pid, "host": ref.host,
-                                             "rank": ref.rank}))
+                                             "rank": ref.rank,
+                                             "why": "no answer: native code may hold its GIL"}))
         return ValueMesh(view.extent, out)
 
     def dead_ranks(self) -> list[int]:

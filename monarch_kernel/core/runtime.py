@@ -57,13 +57,14 @@ class PendingCall:
     'stream' -> items pushed to ``queue`` as they arrive."""
 
     __slots__ = ("future", "keys", "index", "results", "failed", "remaining", "extent", "mode",
-                 "queue", "what")
+                 "queue", "what", "answered")
 
     def __init__(self, keys: list[str], extent, mode: str, what: str):
         self.future = Future(what)
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}
         self.results = [None] * len(keys)
+        self.answered = bytearray(len(keys))   # 1 where that member replied (a value may be None)
         self.failed: list[int] = []
         self.remaining = len(keys)
         self.extent = extent
@@ -81,6 +82,7 @@ class PendingCall:
         if i is None or self.results[i] is _DONE_MARK:
             return False
         self.results[i] = value
+        self.answered[i] = 1
         if not ok:
             self.failed.append(i)
             if isinstance(value, SupervisionError):
@@ -293,6 +295,14 @@ class Runtime:
         for k in keys:
             out[k] += 1
         return call_id, p
+
+    def answered_so_far(self, fut: Future) -> list | None:
+        """For a call still pending: per member, (True, value) if it replied, else (False,
+        None). Lets a caller that gives up keep what the members that did answer returned."""
+        for p in list(self._pending.values()):
+            if p.future is fut:
+                return [(bool(a), v) for a, v in zip(p.answered, p.results)]
+        return None
 
     def abandon(self, call_id: int) -> None:
         p = self._pending.pop(call_id, None)

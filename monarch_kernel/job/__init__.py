@@ -7,9 +7,27 @@
 
 ``state()`` caches the job beside the mesh connection files, so the same call in a
 restarted kernel re-attaches to the same allocation, procs and actors (see base.py).
+Names load on first use: ``python -m monarch_kernel.job.node`` on a node imports none
+of the controller side.
 """
-from .base import JobError, JobGoneError, JobState, JobTrait, job_load
-from .local import LocalJob, ProcessJob
-from .slurm import SlurmJob
+from __future__ import annotations
 
-__all__ = ["JobTrait", "JobState", "JobError", "JobGoneError", "job_load", "LocalJob", "ProcessJob", "SlurmJob"]
+import importlib
+
+_WHERE = {"JobTrait": "base", "JobState": "base", "JobError": "base", "JobGoneError": "base",
+          "job_load": "base", "LocalJob": "local", "ProcessJob": "local", "SlurmJob": "slurm"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"monarch_kernel.job has no {name!r}; it has {', '.join(__all__)}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

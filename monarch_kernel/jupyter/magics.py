@@ -32,7 +32,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.errors import ActorError, MeshGoneError, SupervisionError
-from .display import cell_error
+from .display import CellInterrupted, cell_error
 from .on_mesh import _Run, cell_run_args, outcome, select, supervision_message
 from .output import OutputRouter
 from .session import NotConnected, session
@@ -231,6 +231,9 @@ class MeshMagics(Magics):
         args, run, cap = prepared
         try:
             values = _values(run.wait_sync)
+        except CellInterrupted as e:   # ranks that would not stop: keep what the others returned
+            self._keep_partial(args, e)
+            raise
         finally:
             self.router.end(cap)
         return self._result(args, run, values)
@@ -245,9 +248,18 @@ class MeshMagics(Magics):
                 values = (await run.wait_async()).values()
             except (ActorError, SupervisionError) as e:
                 values = _partial_values(e)
+        except CellInterrupted as e:
+            self._keep_partial(args, e)
+            raise
         finally:
             self.router.end(cap)
         return self._result(args, run, values)
+
+    def _keep_partial(self, args, e) -> None:
+        if getattr(e, "results", None) is not None:
+            self.shell.user_ns["_on_mesh"] = e.results
+            if args.out:
+                self.shell.user_ns[args.out] = e.results
 
     def _result(self, args, run, values):
         ns = self.shell.user_ns

@@ -393,8 +393,8 @@ class _RecordingProxy:
 def test_a_captured_spawn_replayed_to_the_agent_forks_nothing():
     import zmq
 
+    from monarch_kernel.actor import attach_to_workers
     from monarch_kernel.core.connection import new_key
-    from monarch_kernel.core.hosts import attach_to_workers
     from monarch_kernel.launch.local import start_local_agent
 
     key = new_key()

@@ -139,6 +139,16 @@ def test_moving_from_one_paused_rank_to_the_next_ends_the_cell_cleanly(k):
     assert values(s.result) == ["1", "2"]
 
 
+def test_where_starts_at_the_cell_not_at_our_machinery(k):
+    s = drive(k, "%%on_mesh --ranks 1\ndef f():\n    breakpoint()\n    return 1\nf()", ["where", "up", "up", "continue"])
+    assert s.status == "ok", s.text
+    where = s.text.split("(rank 1 pdb) where\n")[1].split("(rank 1 pdb)")[0]
+    for internal in ("runpy", "zygote", "workers/proc.py", "cells.py"):
+        assert internal not in where, where   # was: ~10 frames of the proc's own loop first
+    assert where.lstrip().startswith("[0] <In [") and "f()" in where
+    assert "Oldest frame" in s.text.split("(rank 1 pdb) up\n")[2]   # `up` stops at the cell
+
+
 def test_pdb_set_trace_and_the_named_dim_grammar(k):
     def answer(prompt, s):
         if s.text.count("paused at") < 2:

@@ -231,6 +231,7 @@ class MeshMagics(Magics):
         try:
             values = _values(run.wait_sync)
         finally:
+            run.done()
             self.router.end(cap)
         return self._result(args, run, values)
 
@@ -245,6 +246,7 @@ class MeshMagics(Magics):
             except (ActorError, SupervisionError) as e:
                 values = _partial_values(e)
         finally:
+            run.done()
             self.router.end(cap)
         return self._result(args, run, values)
 

@@ -7,22 +7,44 @@
         def step(self, n: int) -> float: ...
     trainers = procs.spawn("trainers", Trainer)
     trainers.step.call(n=0).get()          # ValueMesh
-"""
-import os
 
-from .core.actors import Actor, endpoint
-from .core.context import Context, context, current_rank, current_size
+Monarch code runs with only its import changed (``monarch.actor`` ->
+``monarch_kernel.actor``); the README's "Coming from Monarch" table lists where we
+differ on purpose.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from .core.actors import Actor, concurrent_endpoint, endpoint
+from .core.channels import Accumulator, Channel, Port, PortReceiver
+from .core.context import Context, context, current_actor_name, current_rank, current_size
+from .core.controllers import get_or_spawn_controller
+from .core.endpoint import Endpoint, as_endpoint
 from .core.errors import ActorError, MeshFailure, MeshGoneError, MonarchError, SupervisionError
 from .core.future import Future
-from .core.hosts import HostMesh, attach, attach_to_workers, this_host
-from .core.mesh import ActorMesh, Endpoint, ProcMesh
+from .core.hosts import HostMesh, attach, attach_to_workers, default_per_host, this_host
+from .core.mesh import ActorMesh, ProcMesh
 from .core.shape import Extent, Point
+from .core.supervision import default_unhandled_fault_hook
 from .core.values import ValueMesh
+
+# Replaceable, as in Monarch: ``monarch_kernel.actor.unhandled_fault_hook = fn``. Ours
+# raises the failure at the next interaction instead of exiting (see core/supervision.py).
+unhandled_fault_hook = default_unhandled_fault_hook
+
+_client_proc: ProcMesh | None = None
+_client_lock = threading.Lock()
 
 
 def this_proc() -> ProcMesh:
-    """Inside an actor (or an ``%%on_mesh`` cell): a one-member ProcMesh of the proc it runs
-    on, to spawn helpers beside it (``this_proc().spawn("helper", Helper)``)."""
+    """The one-member ProcMesh this code runs on, to spawn actors beside it.
+
+    Inside an actor (or an ``%%on_mesh`` cell): its own proc. On the controller (the
+    client): the client's proc, a companion proc started on first use on this machine, so
+    ``this_proc().spawn(...)`` works as in Monarch (its actors run there, not inside the
+    controller's own process)."""
     import workers.proc as proc_mod
 
     from .core.mesh import ProcMeshState
@@ -31,8 +53,11 @@ def this_proc() -> ProcMesh:
 
     w = proc_mod.WORKER
     if w is None:
-        raise RuntimeError("this_proc() is only defined on a proc (inside an actor or an %%on_mesh cell); "
-                           "on the controller, spawn on a ProcMesh from this_host().spawn_procs()")
+        global _client_proc
+        with _client_lock:
+            if _client_proc is None or _client_proc._state.stopped:
+                _client_proc = this_host().spawn_procs(per_host={}, name="client")
+            return _client_proc
     rt = runtime()
     sid = f"self-{w.proc_key}"
     st = rt.mesh_states.get(sid)
@@ -43,9 +68,36 @@ def this_proc() -> ProcMesh:
     return ProcMesh(st, MeshView((), (), (0,)))
 
 
+def send(endpoint: Endpoint, args: tuple = (), kwargs: dict | None = None, port: Port | None = None,
+         selection: str = "all") -> None:
+    """Monarch's ``send``: call ``endpoint`` on its mesh without waiting; each member's
+    result (or error) goes to ``port`` when given (see ``Channel.open()``)."""
+    if not isinstance(endpoint, Endpoint):
+        raise TypeError(f"send() takes an actor mesh's endpoint (mesh.method), got {endpoint!r}")
+    if selection not in ("all", "choose"):
+        raise ValueError(f"send(selection=...) is 'all' or 'choose', got {selection!r}")
+    kwargs = kwargs or {}
+    if selection == "choose":
+        mesh = endpoint._mesh
+        endpoint = Endpoint(mesh.slice(**{d: 0 for d in mesh._view.labels}), endpoint._name, endpoint._explicit)
+    if port is None:
+        endpoint.broadcast(*args, **kwargs)
+    else:
+        endpoint._send_to_port(args, kwargs, port)
+
+
+def hosts_from_config(var: str = "MONARCH_HOSTS") -> HostMesh:
+    """Monarch's (not yet implemented there) ``hosts_from_config``: the agents listed in
+    the environment variable ``var`` (comma-separated addresses, key in
+    ``MONARCH_KERNEL_KEY``), or this machine when it is unset."""
+    addrs = [a.strip() for a in os.environ.get(var, "").split(",") if a.strip()]
+    return attach_to_workers(addrs, name=var.lower()) if addrs else this_host()
+
+
 __all__ = [
-    "Actor", "ActorError", "ActorMesh", "Context", "Endpoint", "Extent", "Future", "HostMesh",
-    "MeshFailure", "MeshGoneError", "MonarchError", "Point", "ProcMesh", "SupervisionError", "ValueMesh",
-    "attach", "attach_to_workers", "context", "current_rank", "current_size", "endpoint", "this_host",
-    "this_proc",
+    "Accumulator", "Actor", "ActorError", "ActorMesh", "Channel", "Context", "Endpoint", "Extent", "Future",
+    "HostMesh", "MeshFailure", "MeshGoneError", "MonarchError", "Point", "Port", "PortReceiver", "ProcMesh",
+    "SupervisionError", "ValueMesh", "as_endpoint", "attach", "attach_to_workers", "concurrent_endpoint",
+    "context", "current_actor_name", "current_rank", "current_size", "default_per_host", "endpoint",
+    "get_or_spawn_controller", "hosts_from_config", "send", "this_host", "this_proc", "unhandled_fault_hook",
 ]

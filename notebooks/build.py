@@ -87,8 +87,8 @@ trainers"""),
     code("trainers.step.call(torch.ones(4)).get()"),
     code("trainers.slice(gpus=slice(0, 2)).step.call(torch.ones(4)).get()"),
     code("trainers.slice(gpus=3).step.call_one(torch.ones(4)).get()"),
-    md("`stream` yields values as they arrive (sorted here, since arrival order varies)."),
-    code("sorted(trainers.step.stream(torch.zeros(4)))"),
+    md("`stream` yields a Future per member as each arrives (as in Monarch); `.values()` yields the values (sorted here, since arrival order varies)."),
+    code("sorted(trainers.step.stream(torch.zeros(4)).values())"),
     md("Cells and actors share the procs: an actor sees what a cell defined on its rank."),
     code("%%on_mesh\nfrom_cell = f'set by a cell on rank {rank}'"),
     code("trainers.shared.call().get()"),
@@ -120,7 +120,75 @@ button (which stops every rank within 2 s); the mesh stays usable."""),
     code("%mesh stop"),
 ]
 
-NOTEBOOKS = {"quickstart": QUICKSTART, "actors": ACTORS, "failures": FAILURES}
+DDP = [
+    md("""# DDP on the mesh
+
+`%mesh connect --dist` also gives every proc torchrun's environment (`RANK`, `WORLD_SIZE`,
+`LOCAL_RANK`, `MASTER_ADDR`, ...) and a process group (gloo here, nccl where there is
+CUDA), so `%%on_mesh` cells use `DistributedDataParallel` as a torchrun script would."""),
+    code("%mesh connect ddp --procs 4 --dist"),
+    code("""%%on_mesh
+import os, torch, torch.distributed as dist
+(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], dist.get_backend())"""),
+    md("""A tiny model, the same initial weights everywhere, each rank its own batch. DDP
+all-reduces the gradients in `backward()`; the loss shown is the mean over the 4 ranks
+(an all-reduce too), so every rank prints the same falling curve."""),
+    code("""%%on_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(rank)
+xs = torch.randn(64, 8, generator=g)
+ys = xs @ torch.linspace(-1, 1, 8).unsqueeze(1)   # a linear target the model can learn
+curve = []
+for step in range(30):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(xs), ys)
+    loss.backward()
+    opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    curve.append(round(mean.item() / world_size, 3))
+curve[::6]"""),
+    md("The weights stay identical on every rank:"),
+    code("%%on_mesh\nround(sum(float(p.detach().sum()) for p in model.parameters()), 3)"),
+    code("%mesh stop"),
+]
+
+TENSORS = [
+    md("""# Distributed tensors from the notebook
+
+`mesh.distribute(t, placements=[Shard(0)])` lays a tensor out over the ranks (each holds
+its slice as a local DTensor) and returns a handle. Ops on handles run on every rank,
+without waiting; `full_tensor()`, `inspect` and `fetch_shard` bring data back. The process
+group is formed on first use."""),
+    code("%mesh connect tensors --procs 4"),
+    code("""import torch
+from monarch_kernel.tensor import Replicate, Shard, fetch_shard, inspect
+
+x = torch.arange(32.).reshape(8, 4)
+dt = mesh.distribute(x, placements=[Shard(0)])
+dt"""),
+    md("`dt @ dt.T` runs on the ranks (DTensor does the collectives); it equals the local result."),
+    code("y = dt @ dt.T\ntorch.equal(y.full_tensor(), x @ x.T)"),
+    md("`inspect(t, gpus=i)` is rank i's shard now; `fetch_shard` is the same as a Future."),
+    code("inspect(dt, gpus=1)"),
+    code("fetch_shard(dt, gpus=3).get()"),
+    md("A reduction: the sum is a `Partial` on the ranks until it is brought back."),
+    code("s = (dt * 2).sum()\ns.placements, s.item(), (x * 2).sum().item()"),
+    md("`%mesh pull` of a handle brings every rank's shard."),
+    code("%mesh pull dt"),
+    md("An op that fails on the ranks is reported at the next fetch, naming the op and the ranks; "
+       "the mesh stays usable."),
+    code("bad = torch.linalg.inv(mesh.distribute(torch.zeros(4, 4), placements=[Shard(0)]))\n"
+         "bad.full_tensor()", "raises-exception"),
+    code("(dt + 1).sum().item()"),
+    code("%mesh stop"),
+]
+
+NOTEBOOKS = {"quickstart": QUICKSTART, "actors": ACTORS, "failures": FAILURES, "ddp": DDP, "tensors": TENSORS}
 
 
 def build(name: str) -> Path:
@@ -131,7 +199,7 @@ def build(name: str) -> Path:
     nb.metadata["language_info"] = {"name": "python"}
     home = tempfile.mkdtemp(prefix="mk-nb-")
     os.environ.update(MONARCH_KERNEL_HOME=home, MONARCH_KERNEL_PREWARM="0")
-    NotebookClient(nb, kernel_name="monarch", timeout=120, allow_errors=True,
+    NotebookClient(nb, kernel_name="monarch", timeout=120, allow_errors=True, store_widget_state=False,
                    resources={"metadata": {"path": str(HERE)}}).execute()
     path = HERE / f"{name}.ipynb"
     nbformat.write(nb, path)

@@ -18,3 +18,18 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "setup: could not install chromium; the browser test will skip" >&2
 fi
+# Jobs on a real cluster (tests/test_jobs_slurm.py, tests/test_jobs_ssh.py) start a Slurm
+# cluster and sshd in network namespaces; install the daemons only when missing, and never
+# fail set-up over them (those tests then skip with the reason).
+if command -v apt-get >/dev/null 2>&1; then
+  want=""
+  command -v slurmctld >/dev/null 2>&1 || want="$want slurm-wlm"
+  command -v munged >/dev/null 2>&1 || want="$want munge"
+  command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || want="$want openssh-server"
+  if [ -n "$want" ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $want; } >/dev/null 2>&1 \
+      || echo "setup: could not install$want; the Slurm/SSH job tests will skip" >&2
+  fi
+fi
+# The JupyterLab extension (Mesh panel, status bar, "on mesh" cell button): npm only, never fatal.
+bash scripts/build_extension.sh || true

@@ -1,80 +1,87 @@
-"""A bounded JupyterLab on loopback, and headless Chromium on it, for the browser tests.
-
-``start_lab(root, home, tmp)`` starts ``jupyter lab`` (under ``timeout 600``, token,
-fresh config and runtime dirs, MONARCH_KERNEL_HOME=home so its meshes are found and
-stopped); ``stop_lab`` stops it with TERM and kills what is left under ``home``.
-``browser(p, tmp)`` launches the system Chromium through Playwright.
-"""
+"""A bounded JupyterLab on loopback for browser tests (headless Chromium via Playwright),
+with its own config, runtime and MONARCH_KERNEL_HOME; see ../shared/RECIPES.md."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-from kernel_harness import home_processes
+from kernel_harness import ensure_kernelspec, home_processes
 
 CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 READY = """() => {
   const app = window.jupyterapp; const w = app && app.shell.currentWidget;
   const ctx = w && w.sessionContext; const k = ctx && ctx.session && ctx.session.kernel;
   return !!(ctx && ctx.isReady && k && k.connectionStatus === 'connected' && k.status === 'idle');
 }"""
-needs_chromium = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} "
-                                    "(scripts/setup.sh installs it with apt-get when it can)")
 
 
-def free_port() -> int:
+def write_notebook(path: Path, cells: list[str]) -> None:
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+                    for src in cells],
+          "nbformat": 4, "nbformat_minor": 5,
+          "metadata": {"kernelspec": {"name": "monarch", "display_name": "Monarch (Python 3)", "language": "python"}}}
+    path.write_text(json.dumps(nb))
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class Lab:
-    def __init__(self, root: Path, home: str, tmp: Path, token: str = "labtest"):
-        self.root, self.home, self.tmp, self.token = root, home, tmp, token
-        self.port = free_port()
-        env = {**os.environ, "MONARCH_KERNEL_HOME": home, "MONARCH_KERNEL_PREWARM": "0",
-               "JUPYTER_CONFIG_DIR": str(tmp / "config"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
-        jupyter = str(Path(sys.executable).parent / "jupyter")
-        self.log = open(tmp / "lab.log", "w")
-        self.proc = subprocess.Popen(
-            ["timeout", "600", jupyter, "lab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
-             f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={root}",
-             "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-             "--LabApp.expose_app_in_browser=True"], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+@contextlib.contextmanager
+def jupyter_lab(tmp_path: Path, notebook: str, home: str | None = None):
+    """Yields (url of ``notebook`` under ``tmp_path/root``, MONARCH_KERNEL_HOME); stops Lab
+    and kills whatever it left under that home."""
+    ensure_kernelspec()
+    home = home or tempfile.mkdtemp(prefix="mk-lab-test-")
+    port, token = _free_port(), "labtest"
+    env = {**os.environ, "MONARCH_KERNEL_HOME": home, "MONARCH_KERNEL_PREWARM": "0",
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    jupyter = str(Path(sys.executable).parent / "jupyter")
+    no_news = tmp_path / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    no_news.mkdir(parents=True, exist_ok=True)
+    (no_news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        ["timeout", "600", jupyter, "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={tmp_path / 'root'}",
+         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--LabApp.expose_app_in_browser=True"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/status?token={token}", timeout=2)
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
                 break
             except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    pytest.fail(f"JupyterLab did not start: {(tmp / 'lab.log').read_text()[-2000:]}")
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"JupyterLab did not start: {(tmp_path / 'lab.log').read_text()[-2000:]}")
                 time.sleep(0.3)
-
-    def url(self, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}/lab/tree/{path}?token={self.token}"
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)   # `timeout` passes it on; the server shuts its kernels down
+        yield f"http://127.0.0.1:{port}/lab/tree/{notebook}?token={token}", home
+    finally:
+        proc.send_signal(signal.SIGTERM)   # `timeout` passes it on; the server shuts its kernels down
         try:
-            self.proc.wait(20)
+            proc.wait(20)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        stop_leftovers(self.home)
+            proc.kill()
+        log.close()
+        _stop_leftovers(home)
 
 
-def stop_leftovers(home: str) -> None:
-    """A notebook's last cell stops its mesh; if a test failed before it, stop it here."""
+def _stop_leftovers(home: str) -> None:
     left = home_processes(home)
     deadline = time.monotonic() + 8
     while left and time.monotonic() < deadline:
@@ -88,8 +95,17 @@ def stop_leftovers(home: str) -> None:
     shutil.rmtree(home, ignore_errors=True)
 
 
-def browser(p, tmp: Path):
+def extension_installed() -> bool:
+    return (Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "monarch-kernel" / "package.json").exists()
+
+
+needs_chromium = __import__("pytest").mark.skipif(
+    not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (scripts/setup.sh installs it with apt-get "
+                                         "when it can)")
+
+
+def browser(p, tmp: Path, width: int = 1280, height: int = 1000):
+    """Headless system Chromium through Playwright, with a fresh profile under ``tmp``."""
     return p.chromium.launch_persistent_context(
-        str(tmp / "chromium"), executable_path=CHROMIUM, headless=True, viewport={"width": 1280, "height": 1000},
-        args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        str(tmp / "chromium"), executable_path=CHROMIUM, headless=True, viewport={"width": width, "height": height},
+        args=CHROMIUM_ARGS)

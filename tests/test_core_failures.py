@@ -73,6 +73,15 @@ class Victim(Actor):
         return "fine"
 
 
+class SlowInit(Actor):
+    def __init__(self, seconds: float):
+        time.sleep(seconds)
+
+    @endpoint
+    def ready(self) -> bool:
+        return True
+
+
 class BadInit(Actor):
     def __init__(self):
         if current_rank().rank == 1:
@@ -150,18 +159,38 @@ def test_endpoint_raise_is_an_actor_error_with_remote_traceback_and_actor_keeps_
         v.slice(gpus=1).boom.call_one().get(30)
     streamed = []
     with pytest.raises(ActorError, match="boom on purpose"):
-        for value in v.boom.stream():
+        for value in v.boom.stream().values():
             streamed.append(value)
     assert streamed in ([], ["fine"])
 
 
-def test_exception_in_init_is_a_supervision_error_naming_the_rank(victims):
+def test_spawn_returns_at_once_and_a_raising_init_is_a_supervision_error_naming_the_rank(victims):
     pm, v = victims
+    slow = pm.spawn("slow", SlowInit, 1.0)      # Monarch's spawn does not wait for __init__
+    bad = pm.spawn("bad", BadInit)
+    assert slow.ready.call().get(30).values() == [True, True]   # calls queue behind __init__
     with pytest.raises(SupervisionError) as info:
-        pm.spawn("bad", BadInit)
+        bad.initialized.get(30)
     text = str(info.value)
     assert "rank 1" in text and HOST in text and "bad init on purpose" in text and "INIT-LINE" in text
+    with pytest.raises(SupervisionError, match="bad init on purpose"):   # first use says why
+        bad.ok.call()
     assert pm.spawn("good", Victim).get_state.call().get(30).values() == [0, 100]
+    assert v.get_state.call().get(30).values() == [0, 100]   # reported once: nothing raises here
+
+
+def test_a_failed_init_nobody_used_surfaces_at_the_next_interaction_once(victims):
+    pm, v = victims
+    pm.spawn("bad", BadInit)                    # nothing waits on it
+    deadline = time.monotonic() + 10
+    raised = None
+    while raised is None and time.monotonic() < deadline:
+        try:
+            v.get_state.call().get(30)
+        except SupervisionError as e:
+            raised = e
+        time.sleep(0.05)
+    assert raised is not None and "bad init on purpose" in str(raised)
     assert v.get_state.call().get(30).values() == [0, 100]
 
 
@@ -273,7 +302,7 @@ def test_unhandled_failure_surfaces_at_the_controller_and_in_the_log(bystander, 
         sup_pm.stop()
 
 
-def test_unhandled_broadcast_failure_surfaces_on_the_next_interaction(bystander):
+def test_a_raise_under_broadcast_fails_that_actor_and_surfaces_on_the_next_interaction(bystander):
     bystander.boom.broadcast()   # rank 0 of a 1-member mesh: returns "fine", no failure
     v_pm = this_host().spawn_procs(per_host={"gpus": 2}, name="bcast")
     try:
@@ -283,12 +312,16 @@ def test_unhandled_broadcast_failure_surfaces_on_the_next_interaction(bystander)
         raised = None
         while raised is None and time.monotonic() < deadline:
             try:
-                v.get_state.call().get(30)
+                bystander.get_state.call().get(30)
             except ActorError as e:
                 raised = e
             time.sleep(0.05)
         assert raised is not None and "boom on purpose" in str(raised) and raised.rank == 1
-        assert v.get_state.call().get(30).values() == [0, 100]
+        # Monarch's semantics: nobody could be told through a reply, so the actor is failed
+        assert v.slice(gpus=0).get_state.call_one().get(30) == 0
+        with pytest.raises(ActorError, match="gone from this proc: it failed: ValueError: boom on purpose"):
+            v.slice(gpus=1).get_state.call_one().get(30)
+        assert bystander.get_state.call_one().get(30) == 1
     finally:
         v_pm.stop()
 

@@ -11,14 +11,11 @@ it can); skips, saying which is missing, otherwise.
 """
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
-from kernel_harness import ensure_kernelspec
-from lab_harness import READY, Lab, browser, needs_chromium
+from lab_harness import READY, browser, jupyter_lab, needs_chromium, write_notebook
 
 MESH = "kt-debug-browser"
 CELLS = [
@@ -31,25 +28,12 @@ CELLS = [
 pytestmark = [needs_chromium]
 
 
-def _notebook(path: Path) -> None:
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
-             for src in CELLS]
-    nb = {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
-          "metadata": {"kernelspec": {"name": "monarch", "display_name": "Monarch (Python 3)", "language": "python"}}}
-    path.write_text(json.dumps(nb))
-
-
 @pytest.fixture
 def lab(tmp_path):
-    ensure_kernelspec()
-    root = tmp_path / "root"
-    root.mkdir()
-    _notebook(root / "debug.ipynb")
-    lab = Lab(root, tempfile.mkdtemp(prefix="mk-browser-test-"), tmp_path)
-    try:
-        yield lab.url("debug.ipynb")
-    finally:
-        lab.stop()
+    (tmp_path / "root").mkdir()
+    write_notebook(tmp_path / "root" / "debug.ipynb", CELLS)
+    with jupyter_lab(tmp_path, "debug.ipynb") as (url, _home):
+        yield url
 
 
 @pytest.mark.timeout(300)

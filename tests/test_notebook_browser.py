@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kernel_harness import ensure_kernelspec
-from lab_harness import READY, Lab, browser, needs_chromium
+from lab_harness import READY, browser, jupyter_lab, needs_chromium, write_notebook
 
 MESH = "kt-nb-browser"
 CELLS = [
@@ -36,31 +35,22 @@ pytestmark = [needs_chromium, pytest.mark.timeout(300)]
 def page(tmp_path_factory):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
                                                                  "playwright; it uses the system Chromium)")
-    ensure_kernelspec()
     tmp = tmp_path_factory.mktemp("nb-browser")
-    root = tmp / "root"
-    root.mkdir()
-    nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": c}
-                    for c in CELLS],
-          "nbformat": 4, "nbformat_minor": 5,
-          "metadata": {"kernelspec": {"name": "monarch", "display_name": "Monarch (Python 3)", "language": "python"}}}
-    (root / "user.ipynb").write_text(json.dumps(nb))
-    lab = Lab(root, tempfile.mkdtemp(prefix="mk-browser-test-"), tmp)
-    try:
-        with sync_api.sync_playwright() as p:
-            ctx = browser(p, tmp)
-            try:
-                pg = ctx.pages[0] if ctx.pages else ctx.new_page()
-                pg.lab, pg.notebook = lab, root / "user.ipynb"
-                pg.goto(lab.url("user.ipynb"))
-                pg.wait_for_function(READY, timeout=90_000, polling=250)
-                # Not awaited: the command's promise resolves only once every cell ran.
-                pg.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-                yield pg
-            finally:
-                ctx.close()
-    finally:
-        lab.stop()
+    (tmp / "root").mkdir()
+    notebook = tmp / "root" / "user.ipynb"
+    write_notebook(notebook, CELLS)
+    with jupyter_lab(tmp, "user.ipynb") as (url, _home), sync_api.sync_playwright() as p:
+        ctx = browser(p, tmp)
+        try:
+            pg = ctx.pages[0] if ctx.pages else ctx.new_page()
+            pg.notebook = notebook
+            pg.goto(url)
+            pg.wait_for_function(READY, timeout=90_000, polling=250)
+            # Not awaited: the command's promise resolves only once every cell ran.
+            pg.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            yield pg
+        finally:
+            ctx.close()
 
 
 SHOTS = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS") or tempfile.mkdtemp(prefix="mk-screens-"))

@@ -15,7 +15,7 @@ import time
 import cloudpickle
 import pytest
 
-from monarch_kernel.actor import Actor, SupervisionError, endpoint, this_host
+from monarch_kernel.actor import Actor, ActorError, SupervisionError, endpoint, this_host
 from monarch_kernel.core.errors import MeshGoneError
 from monarch_kernel.core.runtime import runtime
 
@@ -53,7 +53,7 @@ def _run_script(code: str, timeout: float = 90, env: dict | None = None) -> str:
 def test_a_frozen_host_agent_comes_back_with_its_procs_and_state_and_reports_what_failed():
     hm = this_host("stall-test", lease=60)
     try:
-        pm = hm.spawn_procs(per_host={"gpus": 2})
+        pm = hm.spawn_procs(per_host={"gpus": 2}, name="stalled")
         c = pm.spawn("c", Counter)
         assert c.bump.call().get(30).values() == [1, 1]
         agent = hm._agents[0]["pid"]
@@ -123,3 +123,183 @@ def test_requests_to_a_killed_host_fail_at_once_naming_the_mesh_and_this_host_st
         assert hm2.spawn_procs(per_host={"gpus": 1}).spawn("c", Counter).bump.call().get(30).values() == [1]
     finally:
         hm2.shutdown()
+
+
+# ---------------------------------------------------------------- 4. exceptions we cannot rebuild
+class TwoArgError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")   # args == ("1 and 2",): cls(*args) fails on unpickle
+
+
+class Raiser(Actor):
+    @endpoint
+    def two_args(self) -> None:
+        raise TwoArgError(1, 2)
+
+    @endpoint
+    def worker_only(self, folder: str) -> None:
+        sys.path.insert(0, folder)
+        import worker_only_module
+
+        raise worker_only_module.WorkerOnlyError("only the worker can import me")
+
+    @endpoint
+    def fine(self) -> int:
+        return 7
+
+
+def test_exceptions_the_controller_cannot_rebuild_fail_the_call_with_the_remote_traceback(tmp_path):
+    (tmp_path / "worker_only_module.py").write_text("class WorkerOnlyError(Exception):\n    pass\n")
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="raisers")
+    try:
+        r = pm.spawn("r", Raiser)
+        with pytest.raises(ActorError) as two:
+            r.two_args.call_one().get(15)
+        assert two.value.exc_type == "TwoArgError" and "raise TwoArgError(1, 2)" in two.value.remote_traceback
+        assert "could not be rebuilt" in two.value.cause_error
+        with pytest.raises(ActorError) as only:
+            r.worker_only.call_one(str(tmp_path)).get(15)
+        assert "WorkerOnlyError: only the worker can import me" in only.value.remote_traceback
+        assert "No module named 'worker_only_module'" in only.value.cause_error
+        assert r.fine.call_one().get(15) == 7
+    finally:
+        pm.stop()
+
+
+# ---------------------------------------------------------------- 7. no fd leak per stopped proc
+def test_spawn_and_stop_cycles_leave_the_controller_fd_count_flat():
+    out = _run_script("""
+        import os, resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        from monarch_kernel.actor import Actor, endpoint, this_host
+        class A(Actor):
+            @endpoint
+            def ping(self): return 1
+        hm = this_host()
+        def cycle():
+            pm = hm.spawn_procs(per_host={"gpus": 2})
+            pm.spawn("a", A).ping.call().get(10)
+            pm.stop()
+        cycle()
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(60):
+            cycle()
+        print("FDS", before, len(os.listdir("/proc/self/fd")))
+        """, timeout=120)
+    before, after = map(int, out.split("FDS")[1].split())
+    assert after - before <= 2, f"{after - before} fds leaked over 60 spawn/stop cycles of 2 procs"
+
+
+# ---------------------------------------------------------------- 10. the CPU column
+class Spinner(Actor):
+    @endpoint
+    def spin(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+
+def test_status_cpu_column_shows_a_busy_rank_busy_and_an_idle_one_idle():
+    hm = this_host("cpu-column-test", lease=60)   # its own agent: other tests see none of its events
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 2}, name="spinners")
+        s = pm.spawn("s", Spinner)
+        busy = s.slice(gpus=0).spin.call(3.0)
+        time.sleep(0.5)
+        hm.status()
+        time.sleep(1.0)
+        rows = {r["rank"]: r for r in hm.status() if r["mesh"] == "spinners"}
+        # A loaded 2-core CI machine gives a spinning proc far less than 100%: compare the two.
+        assert rows[0]["cpu"] >= 10 and rows[1]["cpu"] < rows[0]["cpu"] / 2, rows
+        busy.get(10)
+    finally:
+        hm.shutdown()
+
+
+# ---------------------------------------------------------------- 11. stopped actor meshes are gone
+def test_a_stopped_actor_mesh_is_gone_here_and_for_a_controller_that_attaches_later():
+    hm = this_host("stopped-actors-test", lease=60)
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 1}, name="pm")
+        kept, stopped = pm.spawn("kept", Counter), pm.spawn("stopped", Counter)
+        kept.bump.call().get(30)
+        stopped.stop()
+        assert sorted(pm.actor_meshes()) == ["kept"]
+        out = _run_script("""
+            from monarch_kernel.actor import attach
+            hm = attach("stopped-actors-test")
+            pm = hm.proc_mesh("pm")
+            print("ACTORS", sorted(pm.actor_meshes()))
+            hm.detach()
+            """)
+        assert "ACTORS ['kept']" in out, out
+    finally:
+        hm.shutdown()
+
+
+# ---------------------------------------------------------------- 9. interrupting async endpoints
+class Sleeper(Actor):
+    def __init__(self):
+        self.cancelled = 0
+
+    @endpoint
+    async def wait_forever(self) -> None:
+        import asyncio
+
+        try:
+            await asyncio.sleep(1000)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    @endpoint
+    async def cancelled_count(self) -> int:
+        return self.cancelled
+
+
+def test_interrupt_cancels_a_stuck_async_endpoint_and_the_actor_serves_the_next_call():
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="sleepers")
+    try:
+        s = pm.spawn("s", Sleeper)
+        stuck = s.wait_forever.call()
+        time.sleep(0.3)
+        assert [st["state"] for st in pm.states().values()] == ["awaiting s.wait_forever"] * 2
+        pm.interrupt()
+        with pytest.raises(ActorError, match="interrupted: s.wait_forever was cancelled"):
+            stuck.get(10)
+        assert s.cancelled_count.call().get(10).values() == [1, 1]   # CancelledError ran in the endpoint
+        assert [st["state"] for st in pm.states().values()] == ["idle", "idle"]
+    finally:
+        pm.stop()
+
+
+# ---------------------------------------------------------------- 2. spawn limits
+def _agent_children(hm) -> int:
+    import psutil
+
+    return len(psutil.Process(hm._agents[0]["pid"]).children(recursive=True)) - 1   # minus the zygote
+
+
+@pytest.mark.parametrize("env, match", [({"MONARCH_KERNEL_MAX_PROCS": "4"}, "holds at most 4"),
+                                        ({"MONARCH_KERNEL_PROC_MEM_MB": "100000000"}, "MB are available")])
+def test_a_spawn_the_host_cannot_hold_is_refused_before_forking_and_the_mesh_keeps_working(
+        monkeypatch, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)   # the agent started below reads them
+    hm = this_host("spawn-limit-test", lease=60)
+    try:
+        if "MONARCH_KERNEL_MAX_PROCS" in env:
+            kept = hm.spawn_procs(per_host={"gpus": 2}, name="kept").spawn("c", Counter)
+            kept.bump.call().get(30)
+            n_before = _agent_children(hm)
+        with pytest.raises(ValueError, match=match):
+            hm.spawn_procs(per_host={"gpus": 10000 if "MONARCH_KERNEL_MAX_PROCS" in env else 2})
+        time.sleep(0.5)
+        if "MONARCH_KERNEL_MAX_PROCS" in env:
+            assert _agent_children(hm) == n_before, "procs were forked for a refused spawn"
+            assert kept.bump.call().get(30).values() == [2, 2]
+            assert len(hm.spawn_procs(per_host={"gpus": 2}, name="more")) == 2   # within the cap: fine
+        else:
+            assert _agent_children(hm) == 0
+    finally:
+        hm.shutdown()

@@ -26,6 +26,7 @@ else:
     _EARLY_ZYGOTE = None
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ import zmq
 from monarch_kernel.core import wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
+from monarch_kernel.telemetry.agent import AgentTelemetry
 
 log = logging.getLogger("monarch_kernel.agent")
 
@@ -99,6 +101,7 @@ class HostAgent:
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
         self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
+        self.ps_procs: dict = {}    # pid -> psutil.Process, kept between status calls (CPU %)
         self.sync_setup = None      # what a new proc needs from code sync (its sys.path, cwd)
         # Sync ops run on one thread of their own, in order (a plan or commit of 50,000 files
         # takes seconds): this loop keeps answering heartbeats and reaping procs meanwhile.
@@ -108,6 +111,7 @@ class HostAgent:
         os.set_blocking(self.sync_wake_r, False)
         self.sync_thread: threading.Thread | None = None
         self._load_sync_setup()
+        self.telemetry = AgentTelemetry(self)   # samples, proc events, logs (ops tel_*; see its module)
 
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
@@ -141,6 +145,7 @@ class HostAgent:
                 elif sock == self.sync_wake_r:
                     self._send_sync_replies()
             self._check_liveness()
+            self.telemetry.tick(time.monotonic())
         self.shutdown()
 
     def _drain_router(self):
@@ -158,6 +163,8 @@ class HostAgent:
             if handler is None and op.startswith("sync_"):
                 self._queue_sync_op(ident, req, op, args)
                 continue
+            if handler is None and op.startswith("tel_"):
+                handler = functools.partial(self.telemetry.handle, op)
             if handler is None:
                 self.reply(ident, req, False, ValueError(f"unknown agent op {op!r}"))
                 continue
@@ -191,6 +198,8 @@ class HostAgent:
                 if p is not None:
                     p.pid = ev["pid"]
                     self.by_pid[p.pid] = p
+                    if p.state == "stopping":   # its spawn failed meanwhile: it must not live
+                        _kill(p.pid, signal.SIGKILL)
             elif ev["op"] == "exit":
                 self._proc_exited(ev["pid"], ev["code"])
 
@@ -233,7 +242,7 @@ class HostAgent:
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
                "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
                "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
-               "sync": self.sync_setup}
+               "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank)}
         if self.zygote_ready:
             self._write_zygote({"op": "fork", "cfg": cfg})
         else:
@@ -247,6 +256,7 @@ class HostAgent:
         was = p.state
         p.state = "dead"
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        self.telemetry.proc_exited(p, pid, how, stopping=was == "stopping")
         if was == "stopping":
             self.procs.pop(p.key, None)
             return
@@ -256,7 +266,9 @@ class HostAgent:
             if p.key in sp["keys"]:
                 del self.spawns[sid]
                 self.reply(sp["ident"], sp["req"], False,
-                           RuntimeError(f"proc rank {p.rank} on {self.host} {how} while starting"))
+                           RuntimeError(f"proc rank {p.rank} on {self.host} {how} while starting; the other "
+                                        f"procs of this spawn were stopped"))
+                self._cancel_spawn(sp["keys"])
         self.event("died", p.key, failure)
         for q in self.procs.values():
             if q.state == "alive" and q.ident is not None:
@@ -363,11 +375,40 @@ class HostAgent:
         self.lease = None if seconds is None else float(seconds)
         self.reply(ident, req, True, None)
 
+    def _cancel_spawn(self, keys):
+        """A spawn that failed: stop what started, and kill what is still being forked."""
+        procs = [self.procs[k] for k in keys if k in self.procs]
+        for p in procs:
+            if p.state == "starting" and not p.pid:
+                p.state = "stopping"   # killed as soon as the zygote says it forked
+        self._stop_procs([p for p in procs if p.pid])
+
+    def check_capacity(self, n: int) -> None:
+        """Refuse a spawn this host cannot hold, before forking anything: a cap on procs per
+        host (MONARCH_KERNEL_MAX_PROCS) and the memory a proc needs
+        (MONARCH_KERNEL_PROC_MEM_MB, against what the host has available now)."""
+        import psutil
+
+        running = sum(1 for p in self.procs.values() if p.state in ("starting", "alive"))
+        cap = int(os.environ.get("MONARCH_KERNEL_MAX_PROCS", "0")) or max(64, 8 * (os.cpu_count() or 1))
+        if running + n > cap:
+            raise ValueError(f"cannot start {n} proc(s) on host {self.host}: it runs {running} and holds at most "
+                             f"{cap} (MONARCH_KERNEL_MAX_PROCS on the agent). Ask for fewer per host, or raise "
+                             "the cap if the host really has room")
+        per_mb = float(os.environ.get("MONARCH_KERNEL_PROC_MEM_MB", "150"))
+        avail_mb = psutil.virtual_memory().available / 2**20
+        if n * per_mb > avail_mb:
+            raise ValueError(f"cannot start {n} proc(s) on host {self.host}: they need about {n * per_mb:,.0f} MB "
+                             f"({per_mb:.0f} MB each, MONARCH_KERNEL_PROC_MEM_MB) and {avail_mb:,.0f} MB are "
+                             f"available; room for about {int(avail_mb // per_mb)}. Ask for fewer per host")
+
     def op_spawn(self, ident, req, mesh_id, mesh_name, ranks, labels, sizes, sink):
+        self.check_capacity(len(ranks))
         keys = [self._fork(mesh_id, mesh_name, r, labels, sizes, sink, i) for i, r in enumerate(ranks)]
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys}
 
     def op_respawn(self, ident, req, old_keys, sink):
+        self.check_capacity(len(old_keys))
         keys = []
         for old in old_keys:
             p = self.procs.get(old)
@@ -375,16 +416,19 @@ class HostAgent:
                 raise ValueError(f"proc {old} is not dead here; only dead procs are respawned")
             self.procs.pop(old)
             keys.append(self._fork(p.mesh_id, p.mesh_name, p.rank, None, None, sink, p.rank))
+        self.telemetry.expect_respawn(keys)
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys, "old": old_keys}
 
     def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id=""):
         """A proc reports it is up (sent from the proc's own agent link)."""
         p = self.procs.get(key)
-        if p is None:
+        if p is None or p.state == "stopping":
+            _kill(pid, signal.SIGKILL)   # its spawn failed or was stopped while it started
             return
         p.ident, p.state, p.pid = ident, "alive", pid
         self.by_pid[pid] = p
         p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr, work_ipc, ctrl_ipc, host_id)
+        self.telemetry.proc_ready(p)
         for sid, sp in list(self.spawns.items()):
             if all(self.procs[k].state == "alive" for k in sp["keys"] if k in self.procs):
                 del self.spawns[sid]
@@ -399,7 +443,9 @@ class HostAgent:
 
     def op_register_actor(self, ident, req, mesh_id, actor_id, record):
         m = self.registry.get(mesh_id)
-        if m is not None:
+        if m is not None and record is None:
+            m.get("actors", {}).pop(actor_id, None)   # stopped: gone for later controllers too
+        elif m is not None:
             m.setdefault("actors", {})[actor_id] = record
         self.reply(ident, req, True, None)
 
@@ -410,13 +456,31 @@ class HostAgent:
     def op_status(self, ident, req):
         import psutil
 
+        # One psutil.Process per pid, kept between calls: cpu_percent() measures since the
+        # previous call on the same object (a fresh one always says 0.0). Procs seen for the
+        # first time get one short common window instead.
+        known, self.ps_procs = self.ps_procs, {}
+        fresh = False
+        for p in self.procs.values():
+            if p.state == "alive" and p.pid:
+                ps = known.get(p.pid)
+                if ps is None:
+                    try:
+                        ps = psutil.Process(p.pid)
+                        ps.cpu_percent(interval=None)
+                        fresh = True
+                    except psutil.Error:
+                        continue
+                self.ps_procs[p.pid] = ps
+        if fresh:
+            time.sleep(0.1)
         rows = []
         for p in self.procs.values():
             row = {"key": p.key, "mesh": p.mesh_name, "rank": p.rank, "pid": p.pid, "state": p.state,
                    "host": self.host, "cpu": None, "rss": None}
-            if p.state == "alive":
+            ps = self.ps_procs.get(p.pid) if p.state == "alive" else None
+            if ps is not None:
                 try:
-                    ps = psutil.Process(p.pid)
                     row["cpu"] = ps.cpu_percent(interval=None)
                     row["rss"] = ps.memory_info().rss
                 except psutil.Error:
@@ -431,6 +495,7 @@ class HostAgent:
 
     def shutdown(self):
         self._stop_procs(list(self.procs.values()), grace=0.5)
+        self.telemetry.shutdown()
         if self.sync_thread is not None:
             self.sync_jobs.put(None)
             self.sync_thread.join(5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import os
 import signal
 import sys
@@ -19,21 +20,26 @@ import traceback
 
 import zmq
 
+from monarch_kernel.core import context as context_mod
 from monarch_kernel.core import wire
+from monarch_kernel.core.channels import Port, reply_port
 from monarch_kernel.core.context import _CTX, ActorInstance, Context
+from monarch_kernel.core.endpoint import EXPLICIT_PORT_MARK
 from monarch_kernel.core.errors import ActorError, MeshFailure, SupervisionError
 from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
+from monarch_kernel.telemetry.worker import ProcTelemetry
 
 
 class ActorSlot:
-    __slots__ = ("obj", "name", "ctx", "async_methods")
+    __slots__ = ("obj", "name", "ctx", "async_methods", "owner")
 
-    def __init__(self, obj, name, ctx):
+    def __init__(self, obj, name, ctx, owner=None):
         self.obj, self.name, self.ctx = obj, name, ctx
         self.async_methods: dict[str, bool] = {}
+        self.owner = owner   # (work address, key, actor id) of the actor that spawned it; None: controller
 
 
 class ForwardingStream(TextSink):
@@ -81,6 +87,10 @@ class ProcWorker:
         self.agent = cfg["agent"]
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
+        self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
+        self.interrupting = None           # the call our interrupt is aimed at (a KeyboardInterrupt there is ours)
+        self.stream_to_client = True       # ProcMesh.logging_option(stream_to_client=...)
+        self._kill_exc: dict = {}          # actor id -> what its async endpoint raised, until it is stopped
         self.owned: dict[str, tuple[str, set]] = {}   # child actor mesh id -> (owner id, proc keys)
         self.work = rt.ctx.socket(zmq.PULL)
         self.work.setsockopt(zmq.RCVHWM, 0)
@@ -94,22 +104,28 @@ class ProcWorker:
         self.deferred: collections.deque = collections.deque()   # their messages, kept for later
         self.deferred_for: collections.Counter = collections.Counter()
         self.state = "idle"
+        self.async_calls: dict = {}   # call id -> [concurrent future, "Actor.method"] awaiting on the loop
         self.main_ident = threading.get_ident()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.running = True
         rt.handlers["interrupt"] = self._on_interrupt
         rt.handlers["died"] = self._on_died_notice
         rt.handlers["query"] = self._on_query
+        rt.handlers["logopt"] = self._on_logging_option
+        context_mod.SELF_CONTROL = self
         rt.agent_event_handlers["sink"] = self._on_sink
         rt.agent_event_handlers["died"] = lambda link, key, failure: self._peer_died(key, failure)
         rt.death_listeners.append(self._supervise_owned)
         self.stdout = ForwardingStream(self, "stdout")
         self.stderr = ForwardingStream(self, "stderr")
+        self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
+        if self.telemetry.log is not None:   # kept on the host too, attached or not
+            self.telemetry.log.write(stream, text)
         sink = self.sink
-        if sink is None:
+        if sink is None or not self.stream_to_client:
             (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
@@ -127,15 +143,36 @@ class ProcWorker:
         self.sink = (self.rt.learn_contact(addr), key) if addr else None
 
     def _on_interrupt(self, msg):
+        """Interrupt what runs now: KeyboardInterrupt in sync code on the main thread, and
+        CancelledError in the async endpoints awaiting on the event loop."""
         _, call_id = msg
         busy = self.busy_call
         if busy is not None and (call_id is None or busy[1] == call_id):
+            self.interrupting = busy
             signal.pthread_kill(self.main_ident, signal.SIGINT)
+        for cid, (fut, _) in list(self.async_calls.items()):
+            if fut is not None and (call_id is None or cid == call_id):
+                fut.cancel()   # thread-safe: the loop cancels the task, CancelledError inside it
+
+    def _on_logging_option(self, msg):
+        """ProcMesh.logging_option: where output goes and the root logger's level."""
+        _, stream, _window, level, reply_to, call_id = msg
+        import logging
+
+        self.stream_to_client = stream
+        root = logging.getLogger()
+        root.setLevel(level)
+        if not root.handlers:   # records at the level reach the output (and so the controller)
+            root.addHandler(logging.StreamHandler(sys.stderr))
+        self.rt.send(reply_to, self.key, ("r", call_id, self.proc_key, True, None))
 
     def _on_query(self, msg):
         """Answered on the I/O thread, so it works while the main thread runs user code."""
         _, reply_to, call_id = msg
-        info = {"state": self.state, "pid": os.getpid(), "host": self.host, "rank": self.rank,
+        state = self.state
+        if state == "idle" and self.async_calls:
+            state = "awaiting " + ", ".join(sorted({w for _, w in self.async_calls.values()}))
+        info = {"state": state, "pid": os.getpid(), "host": self.host, "rank": self.rank,
                 "actors": sorted({s.name for s in self.actors.values()}), **self.query_extra()}
         self.rt.send(reply_to, self.key, ("r", call_id, self.proc_key, True, info))
 
@@ -223,20 +260,27 @@ class ProcWorker:
             return
         slot = self.actors.get(m[1])
         e = failure.error
+        if isinstance(e, (ImportError, AttributeError)):
+            fix = ("Make the module importable on the workers (install it, or sync your code), or send "
+                   "plain data")
+        else:
+            fix = ("Unpickling one of them raised here (e.g. its __setstate__ or __reduce__): fix that, or "
+                   "send plain data")
+        method = m[2][len(EXPLICIT_PORT_MARK):] if str(m[2]).startswith(EXPLICIT_PORT_MARK) else m[2]
         self._reply(m[5], m[6], False, ActorError(
-            f"its arguments could not be unpickled on this worker: {e!r}. Make the module importable on "
-            "the workers (install it, or sync your code), or send plain data", rank=self.rank, host=self.host,
-            exc_type=type(e).__name__, actor=f"{slot.name if slot else m[1]}.{m[2]}"))
+            f"its arguments could not be unpickled on this worker: {e!r}. {fix}", rank=self.rank,
+            host=self.host, exc_type=type(e).__name__, actor=f"{slot.name if slot else m[1]}.{method}"))
 
     def do_exit(self, msg):
         self.running = False
 
     def do_spawn(self, msg):
-        _, aid, name, body, view, reply_to, call_id = msg
+        _, aid, name, body, view, reply_to, call_id = msg[:7]
+        owner = msg[7] if len(msg) > 7 else None
         try:
             cls, args, kwargs, _src = wire.loads(body)
         except BaseException as e:
-            self._reply(reply_to, call_id, False, self._error(e, f"{name} (unpickling its class)"))
+            self._init_failed(aid, name, owner, reply_to, call_id, self._error(e, f"{name} (unpickling its class)"))
             return
         idx = view.ranks.index(self.rank)
         inst = ActorInstance(Point(idx, view.extent), aid, name, self.proc_key, self.rank, self.host)
@@ -246,64 +290,190 @@ class ProcWorker:
         try:
             obj = cls(*args, **kwargs)
         except BaseException as e:
-            self._reply(reply_to, call_id, False, self._error(e, f"{name}.__init__"))
+            self._init_failed(aid, name, owner, reply_to, call_id, self._error(e, f"{name}.__init__"))
             return
         finally:
             _CTX.reset(token)
             self.busy_call, self.state = None, "idle"
-        self.actors[aid] = ActorSlot(obj, name, ctx)
+        self.actors[aid] = ActorSlot(obj, name, ctx, owner)
         self._reply(reply_to, call_id, True, None)
+
+    def _init_failed(self, aid, name, owner, reply_to, call_id, err: ActorError) -> None:
+        """The spawner's future fails (the controller reports it from there); a spawning
+        actor's ``__supervise__`` hears of it too."""
+        self.failed[aid] = (name, f"its __init__ failed: {err.message}", err)
+        self._reply(reply_to, call_id, False, err)
+        if owner is not None:
+            self._tell_owner(owner, aid, self._failure(name, f"actor failed to start: {err.message}"), err)
+
+    def _failure(self, name: str, reason: str) -> MeshFailure:
+        return MeshFailure(name, self.rank, self.host, os.getpid(), reason, self.proc_key)
 
     def do_call(self, msg):
         _, aid, method, args, kwargs, reply_to, call_id, _src = msg
         slot = self.actors.get(aid)
         if slot is None:
-            err = ActorError(f"no actor {aid} on this proc (it was stopped, or failed to start)",
-                             rank=self.rank, host=self.host)
+            name, why, cause = self.failed.get(aid, (aid, "it was stopped, or failed to start", None))
+            err = ActorError(f"actor mesh '{name}' is gone from this proc: {why}", rank=self.rank, host=self.host,
+                             actor=f"{name}.{method.lstrip(EXPLICIT_PORT_MARK)}",
+                             remote_traceback=getattr(cause, "remote_traceback", ""),
+                             exc_type=getattr(cause, "exc_type", ""))
             self._reply(reply_to, call_id, False, err)
             return
+        explicit = method.startswith(EXPLICIT_PORT_MARK)
+        if explicit:
+            method = method[len(EXPLICIT_PORT_MARK):]
         is_async = slot.async_methods.get(method)
+        fn = getattr(type(slot.obj), method, None)
         if is_async is None:
-            fn = getattr(type(slot.obj), method, None)
             is_async = slot.async_methods[method] = asyncio.iscoroutinefunction(fn)
+        if explicit or getattr(fn, "_monarch_explicit_port", False):
+            explicit = True
+            args = (self._response_port(reply_to, call_id), *args)
         if is_async:
-            self._run_async(slot, method, args, kwargs, reply_to, call_id)
+            self._run_async(slot, aid, method, args, kwargs, reply_to, call_id, explicit)
             return
         token = _CTX.set(slot.ctx)
         self.busy_call, self.state = (reply_to, call_id), f"in {slot.name}.{method}"
         self.active.append(aid)
+        exc = None
+        started, t0 = time.time(), time.perf_counter()
         try:
             value, ok = getattr(slot.obj, method)(*args, **kwargs), True
         except BaseException as e:
-            value, ok = self._error(e, f"{slot.name}.{method}"), False
+            value, ok, exc = self._error(e, f"{slot.name}.{method}"), False, e
         finally:
             self.active.pop()
             _CTX.reset(token)
-            self.busy_call, self.state = None, "idle"
-        self._reply(reply_to, call_id, ok, value)
+            ours = self.interrupting is not None and self.interrupting == self.busy_call
+            self.busy_call, self.state, self.interrupting = None, "idle", None
+        self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
+        self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc, ours)
+
+    def _response_port(self, reply_to, call_id):
+        """What an explicit-response endpoint answers through: the Port given to send(), a
+        port to this call's caller, or None under broadcast (nobody waits)."""
+        if isinstance(call_id, Port):
+            return call_id
+        return reply_port(reply_to, self.key, call_id, self.proc_key) if call_id else None
+
+    def _finish_call(self, aid, reply_to, call_id, ok, value, explicit, exc, interrupted=False):
+        """Reply, unless the endpoint answers through its port. Monarch's supervision: a
+        BaseException (other than our own interrupt), or any raise under broadcast, fails
+        the actor (it is stopped and its owner is told); an Exception with a caller waiting
+        only fails the call."""
+        fatal = exc is not None and (not isinstance(exc, Exception) and not interrupted
+                                     or not call_id)
+        if not (ok and explicit):
+            if call_id or not fatal:
+                self._reply(reply_to, call_id, ok, value)
+        else:
+            self.flush_output()
+        if fatal:
+            self._kill(aid, value, exc, seen=bool(call_id))
+
+    def _kill(self, aid, err: ActorError, exc, seen: bool = False) -> None:
+        slot = self.actors.pop(aid, None)
+        if slot is None:
+            return
+        self.failed[aid] = (slot.name, f"it failed: {err.message}", err)
+        self._cleanup(slot, exc if isinstance(exc, Exception) else None)
+        failure = self._failure(slot.name, f"actor failed: {err.message}")
+        self._tell_owner(slot.owner, aid, failure, err, seen)
+
+    def _tell_owner(self, owner, aid, failure: MeshFailure, err, seen: bool = False) -> None:
+        """Deliver a failure of actor ``aid`` to the actor that spawned it, or to the
+        controller (its unhandled_fault_hook) when the controller did. ``seen``: a caller
+        got this error as its reply already."""
+        if owner is None:
+            if self.sink is not None:
+                self.rt.send(self.sink[0], self.sink[1], ("unhandled", err, seen, aid))
+            return
+        addr, key, owner_aid = owner
+        self.rt.send(addr, key, ("supervise", owner_aid, failure, aid))
+
+    def _cleanup(self, slot: ActorSlot, exc) -> None:
+        """``__cleanup__(exc)`` (Monarch's signature; an old ``__cleanup__(self)`` still
+        works), awaited on the proc's event loop when it is ``async def``."""
+        fn = getattr(slot.obj, "__cleanup__", None)
+        if fn is None:
+            return
+        token = _CTX.set(slot.ctx)
+        try:
+            try:
+                takes_exc = len(inspect.signature(fn).parameters) >= 1
+            except (TypeError, ValueError):
+                takes_exc = True
+            res = fn(exc) if takes_exc else fn()
+            if inspect.isawaitable(res):
+                asyncio.run_coroutine_threadsafe(_awaited(res), self._event_loop()).result(CLEANUP_TIMEOUT_S)
+        except Exception:
+            traceback.print_exc()
+        finally:
+            _CTX.reset(token)
 
     def do_stop_actor(self, msg):
-        slot = self.actors.pop(msg[1], None)
-        self.owned.pop(msg[1], None)
-        if slot is not None and hasattr(slot.obj, "__cleanup__"):
-            try:
-                slot.obj.__cleanup__()
-            except Exception:
-                traceback.print_exc()
+        aid = msg[1]
+        reason = msg[2] if len(msg) > 2 else "stopped"
+        slot = self.actors.pop(aid, None)
+        self.owned.pop(aid, None)
+        if slot is not None:
+            self.failed[aid] = (slot.name, f"it was stopped ({reason})", None)
+            self._cleanup(slot, None)
+        if len(msg) > 4 and msg[4]:
+            self._reply(msg[3], msg[4], True, None)
+
+    def do_abort_actor(self, msg):
+        _, aid, reason = msg
+        slot = self.actors.get(aid)
+        if slot is not None:
+            err = ActorError(f"aborted: {reason}", rank=self.rank, host=self.host, exc_type="Abort",
+                             actor=slot.name)
+            self._kill(aid, err, None)
+
+    def do_kill_actor(self, msg):
+        """An async endpoint failed its actor: stopped here, on the main thread."""
+        _, aid, err, seen = msg
+        self._kill(aid, err, self._kill_exc.pop(aid, None), seen)
+
+    # called by context().actor_instance.stop()/abort() (any thread): after the current message
+    def stop_actor(self, aid: str, reason: str) -> None:
+        self.rt.send(self.work_addr, self.key, ("stop_actor", aid, reason))
+
+    def abort_actor(self, aid: str, reason: str) -> None:
+        self.rt.send(self.work_addr, self.key, ("abort_actor", aid, reason))
 
     def do_supervise(self, msg):
         _, owner, failure, child = msg
         slot = self.actors.get(owner)
-        handled = False
-        if slot is not None and hasattr(slot.obj, "__supervise__"):
-            token = _CTX.set(slot.ctx)
-            try:
-                handled = bool(slot.obj.__supervise__(failure))
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                _CTX.reset(token)
-        if not handled and self.sink is not None:
+        if slot is None or not hasattr(slot.obj, "__supervise__"):
+            self._unhandled(slot, failure)
+            return
+        token = _CTX.set(slot.ctx)
+        try:
+            res = slot.obj.__supervise__(failure)
+        except BaseException:
+            traceback.print_exc()
+            res = False
+        finally:
+            _CTX.reset(token)
+        if inspect.isawaitable(res):   # async def __supervise__: awaited on the event loop
+            def done(f):
+                try:
+                    handled = bool(f.result())
+                except BaseException:
+                    traceback.print_exc()
+                    handled = False
+                if not handled:
+                    self._unhandled(slot, failure)
+
+            asyncio.run_coroutine_threadsafe(_awaited(res, slot.ctx), self._event_loop()).add_done_callback(done)
+            return
+        if not res:
+            self._unhandled(slot, failure)
+
+    def _unhandled(self, slot, failure) -> None:
+        if self.sink is not None:
             err = SupervisionError(failure, f"unhandled by {slot.name if slot else 'its owner'} "
                                             "(no __supervise__, or it returned a falsy value)")
             self.rt.send(self.sink[0], self.sink[1], ("unhandled", err))
@@ -311,6 +481,12 @@ class ProcWorker:
     # ---------------------------------------------------------------- replies and errors
     def _reply(self, reply_to, call_id, ok, value):
         self.flush_output()
+        if isinstance(call_id, Port):   # send(endpoint, ..., port=p): the result goes to the port
+            try:
+                call_id._post(ok, value)
+            except Exception:
+                traceback.print_exc()
+            return
         if not call_id:   # broadcast: fire and forget; failures still reach the controller
             if not ok and self.sink is not None:
                 self.rt.send(self.sink[0], self.sink[1], ("unhandled", value))
@@ -343,16 +519,43 @@ class ProcWorker:
             threading.Thread(target=self._loop.run_forever, name="monarch-async", daemon=True).start()
         return self._loop
 
-    def _run_async(self, slot, method, args, kwargs, reply_to, call_id):
+    def _run_async(self, slot, aid, method, args, kwargs, reply_to, call_id, explicit):
+        where = f"{slot.name}.{method}"
+        key = call_id or object()   # a broadcast has no call id; it can still be interrupted
+
         async def run():
             _CTX.set(slot.ctx)
+            exc = None
+            started, t0 = time.time(), time.perf_counter()
             try:
                 value, ok = await getattr(slot.obj, method)(*args, **kwargs), True
+            except asyncio.CancelledError as e:   # an interrupt: the call fails, the actor lives on
+                value, ok = self._error(e, where), False
+                value.message = f"interrupted: {where} was cancelled (CancelledError raised in it)"
             except BaseException as e:
-                value, ok = self._error(e, f"{slot.name}.{method}"), False
-            self._reply(reply_to, call_id, ok, value)
+                value, ok, exc = self._error(e, where), False, e
+            finally:
+                self.async_calls.pop(key, None)
+            self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
+            fatal = exc is not None and (not isinstance(exc, Exception) or not call_id)
+            if fatal:   # the actor is stopped on the main thread, after this reply
+                self._kill_exc[aid] = exc
+                self._finish_call(aid, reply_to, call_id, ok, value, explicit, None)
+                self.rt.send(self.work_addr, self.key, ("kill_actor", aid, value, bool(call_id)))
+            else:
+                self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc)
 
-        asyncio.run_coroutine_threadsafe(run(), self._event_loop())
+        holder = self.async_calls[key] = [None, where]   # before it runs: it removes itself when done
+        holder[0] = asyncio.run_coroutine_threadsafe(run(), self._event_loop())
+
+
+async def _awaited(awaitable, ctx=None):
+    if ctx is not None:
+        _CTX.set(ctx)
+    return await awaitable
+
+
+CLEANUP_TIMEOUT_S = 30.0
 
 
 def main(cfg: dict) -> int:

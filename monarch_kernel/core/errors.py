@@ -25,6 +25,7 @@ class ActorError(MonarchError):
         self.remote_traceback = remote_traceback
         self.actor = actor
         self.results = results
+        self.cause_error = ""   # why __cause__ is None although the remote raised something
 
     def __str__(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
@@ -35,14 +36,36 @@ class ActorError(MonarchError):
         return head
 
     def __reduce__(self):
-        # __cause__ is not part of an exception's pickled state: carry it explicitly (the
-        # proc sets it only when the original exception pickles).
+        # __cause__ is not part of an exception's pickled state: carry it explicitly, as a
+        # pickle of its own, so that a cause this side cannot rebuild (a class whose __init__
+        # wants other arguments, a module only the worker has) costs the cause, not the error.
+        cause = self.__cause__
+        if cause is not None and not isinstance(cause, _CauseBlob):
+            from .wire import dumps_inband
+
+            try:
+                cause = _CauseBlob(dumps_inband(cause))
+            except Exception:
+                cause = None
         return (_rebuild_actor_error, (self.message, self.rank, self.host, self.exc_type,
-                                       self.remote_traceback, self.actor, self.__cause__))
+                                       self.remote_traceback, self.actor, cause))
+
+
+class _CauseBlob(bytes):
+    """An ActorError's original exception, pickled on its own (see ActorError.__reduce__)."""
 
 
 def _rebuild_actor_error(message, rank, host, exc_type, tb, actor, cause=None):
     err = ActorError(message, rank=rank, host=host, exc_type=exc_type, remote_traceback=tb, actor=actor)
+    if isinstance(cause, bytes):
+        import pickle
+
+        try:
+            cause = pickle.loads(cause)
+        except Exception as e:
+            # The remote traceback (text) still says what happened; say why the object is missing.
+            err.cause_error = f"the original {exc_type or 'exception'} could not be rebuilt here: {e!r}"
+            cause = None
     err.__cause__ = cause
     return err
 

@@ -47,6 +47,9 @@ class HostMesh:
         rt = runtime()
         rt.keyring.add(key)
         _watch_replacements(rt)
+        from .controllers import install as install_controllers
+
+        install_controllers(rt)
         futs = [rt.agent_request(a["addr"], key, "hello", rt.contact) for a in agents]
         self._infos = []
         for a, f in zip(agents, futs):
@@ -76,14 +79,22 @@ class HostMesh:
         return [i["host"] for i in self._infos]
 
     # ------------------------------------------------------------------ procs
-    def spawn_procs(self, per_host: dict | None = None, name: str | None = None) -> ProcMesh:
-        """Fork procs on every host from its warm zygote. ``per_host={"gpus": 4}``; with no
-        argument, one proc per visible GPU, else per CPU core (the dim is ``gpus`` either way,
-        so code written for a GPU host runs unchanged)."""
+    def spawn_procs(self, per_host: dict | None = None, bootstrap=None, name: str | None = None,
+                    proc_bind=None, bootstrap_command=None) -> ProcMesh:
+        """Fork procs on every host from its warm zygote, e.g. ``per_host={"gpus": 4}``.
+        Monarch's defaults: with no ``per_host`` (or ``{}``), one proc per host
+        (``%mesh connect`` instead starts one per GPU, else per core: ``default_per_host()``).
+        ``bootstrap``: a function run on every new proc before it is returned.
+        ``proc_bind``/``bootstrap_command`` (CPU binding, a custom launch command) are not
+        supported here: they raise rather than be ignored."""
         self._check_attached()
+        if proc_bind is not None or bootstrap_command is not None:
+            raise NotImplementedError("proc_bind and bootstrap_command are not supported: procs fork from "
+                                      "the host agent's warm zygote. Use with_python_executable() for "
+                                      "another interpreter, or bootstrap= for per-proc setup")
         if per_host is None:
-            per_host = {"gpus": _gpu_count() or os.cpu_count() or 1}
-        if not isinstance(per_host, dict) or not per_host:
+            per_host = {}
+        if not isinstance(per_host, dict):
             raise TypeError(f"per_host must be a dict of dim name -> size, e.g. {{'gpus': 4}}; got {per_host!r}")
         for k, v in per_host.items():
             if not isinstance(k, str) or not k.isidentifier():
@@ -120,7 +131,30 @@ class HostMesh:
         self._proc_meshes[mesh_id] = st
         for a in self._agents:
             rt.agent_send(a["addr"], self._key, "register", mesh_id, st.record())
-        return ProcMesh(st)
+        pm = ProcMesh(st)
+        if bootstrap is not None:
+            _run_bootstrap(pm, bootstrap)
+        return pm
+
+    def with_python_executable(self, python_executable: str) -> HostMesh:
+        """A new private host mesh on this machine whose procs run ``python_executable``
+        (it needs monarch_kernel importable). Only for this machine's mesh: remote hosts
+        run the interpreter their agent was started with."""
+        if not self._local or len(self._agents) != 1:
+            raise NotImplementedError("with_python_executable() works on this machine's mesh only; start the "
+                                      "remote agents with the interpreter you want (python -m workers.agent)")
+        if not (os.path.isfile(python_executable) and os.access(python_executable, os.X_OK)):
+            raise ValueError(f"with_python_executable: {python_executable!r} is not an executable file")
+        from ..launch.local import start_local_agent
+
+        key = new_key()
+        agent, proc = start_local_agent(key, name=f"private-{os.getpid()}-{uuid.uuid4().hex[:6]}", persistent=False,
+                                        python=python_executable)
+        hm = HostMesh([agent], key, f"{self.name}+{os.path.basename(python_executable)}", local=True,
+                      process=proc)
+        _named[hm.name] = hm
+        atexit.register(_shutdown_quietly, hm)
+        return hm
 
     def proc_mesh(self, name: str = "procs") -> ProcMesh:
         """A proc mesh that already runs on these hosts (e.g. after ``attach``)."""
@@ -203,10 +237,10 @@ class HostMesh:
                                 f"attach({self.name!r}) to use it again")
 
     # ------------------------------------------------------------------ internals used by ProcMesh
-    def _register_actor(self, st: ProcMeshState, am: ActorMeshState) -> None:
+    def _register_actor(self, st: ProcMeshState, am: ActorMeshState, forget: bool = False) -> None:
         rt = runtime()
         for addr in st.agents():
-            rt.agent_send(addr, self._key, "register_actor", st.id, am.id, am.record())
+            rt.agent_send(addr, self._key, "register_actor", st.id, am.id, None if forget else am.record())
 
     def _mark_stopped(self, st: ProcMeshState, why: str) -> None:
         rt = runtime()
@@ -222,6 +256,7 @@ class HostMesh:
         for f in futs:
             f.get(15)
         self._mark_stopped(st, "the proc mesh was stopped")
+        rt.forget_procs(st.procs)
         for addr in st.agents():
             rt.agent_send(addr, self._key, "register", st.id, None)
 
@@ -243,11 +278,11 @@ class HostMesh:
                 raise MeshGoneError(f"cannot respawn proc mesh '{st.name}': {e}. respawn() replaces dead "
                                     f"procs on a live host. {self._restart_hint()}") from None
             replaced.extend(zip(sorted(old, key=lambda r: r.rank), sorted(new, key=lambda r: r.rank)))
+        rt.forget_procs([old for old, _ in replaced])   # first: a new proc may reuse an old port
         rt.register_procs([n for _, n in replaced], self._key)
         for old, new in replaced:
             st.procs[new.rank] = new
             rt.dead.pop(old.key, None)
-            rt.procs.pop(old.key, None)
         # Re-create the actors that lived on the replaced procs, with their original arguments.
         new_by_rank = {n.rank: n for _, n in replaced}
         for am in list(st.actor_meshes.values()):
@@ -405,9 +440,56 @@ def _attach_info(name: str, info: dict) -> HostMesh:
                     persistent=bool(info.get("persistent")))
 
 
-def attach_to_workers(addresses: list[str], key: bytes | str, name: str = "workers") -> HostMesh:
+def default_per_host() -> dict:
+    """What ``%mesh connect`` starts per host: one proc per visible GPU, else per CPU core
+    (the dim is ``gpus`` either way, so code written for a GPU host runs unchanged)."""
+    return {"gpus": _gpu_count() or os.cpu_count() or 1}
+
+
+def _run_bootstrap(pm: ProcMesh, fn) -> None:
+    """``spawn_procs(bootstrap=fn)``: run ``fn()`` (sync or async) on every proc, now."""
+    from .actors import Actor
+
+    class _Bootstrap(Actor):
+        def __init__(self, fn):
+            import asyncio
+            import inspect
+
+            res = fn()
+            if inspect.isawaitable(res):
+                asyncio.run(_await(res))
+
+    am = pm.spawn("bootstrap", _Bootstrap, fn)
+    try:
+        am.initialized.get(120)
+    finally:
+        am.stop()
+
+
+async def _await(x):
+    return await x
+
+
+def attach_to_workers(addresses: list[str] | None = None, key: bytes | str | None = None,
+                      name: str | None = None, *, workers=None, ca=None, private_key=None) -> HostMesh:
     """A HostMesh of agents started by hand (``python -m workers.agent --bind ADDR``) with
-    the same key; dims ``{"hosts": len(addresses)}``."""
+    the same key; dims ``{"hosts": len(addresses)}``. Monarch's keyword form works too:
+    ``attach_to_workers(workers=[...], name=..., ca=...)`` (entries may be Futures of
+    addresses); the key then comes from ``MONARCH_KERNEL_KEY``. ``ca``/``private_key`` are
+    accepted and unused: peers authenticate with the shared key."""
+    if workers is not None:
+        if addresses is not None:
+            raise TypeError("attach_to_workers: pass the addresses once, as workers=[...] or positionally")
+        addresses = [w.get(HELLO_TIMEOUT_S) if hasattr(w, "get") and not isinstance(w, str) else w
+                     for w in workers]
+    if not addresses:
+        raise TypeError("attach_to_workers needs the agents' addresses: workers=['tcp://host:port', ...]")
+    name = name or "workers"
+    if key is None:
+        key = os.environ.get("MONARCH_KERNEL_KEY")
+        if not key:
+            raise ValueError("attach_to_workers needs the agents' key: pass key=... or set MONARCH_KERNEL_KEY "
+                             "(the hex key the agents were started with)")
     if isinstance(key, str):
         key = bytes.fromhex(key)
     agents = [{"addr": a if a.startswith("tcp://") else f"tcp://{a}", "host": a, "pid": None}

@@ -6,18 +6,40 @@ hold a mesh and call it; such calls go proc to proc, never through the controlle
 from __future__ import annotations
 
 import html
+import logging
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from . import wire
-from .actors import Actor
+from .actors import Actor, plain_methods
+from .channels import chained
+from .endpoint import (
+    Endpoint,
+    NotAnEndpoint,
+    _applied,
+    _consume_unhandled,
+    _done,
+    _fail_if_dead,
+    _failed,
+    _init_params,
+    _pack_args,
+    _wait_initialized,
+)
 from .errors import ActorError, MeshFailure, MeshGoneError, SupervisionError
 from .future import Future
-from .runtime import PendingCall, ProcRef, Runtime, runtime
+from .runtime import ProcRef, Runtime, runtime
 from .shape import Extent, MeshView
 from .values import ValueMesh
 
-SPAWN_TIMEOUT_S = 120.0
+T = TypeVar("T")
+# Actor meshes the controller spawned since a notebook cell began (jupyter/spawn_check.py
+# waits on them at the cell's end, so a failed __init__ shows under the cell that spawned it).
+recent_spawns: list = []
+# Called as ``hook(proc_mesh)`` after ``respawn()`` replaced dead procs (features that keep
+# per-mesh state on the procs register here, e.g. monarch_kernel.tensor re-forms its group).
+RESPAWN_HOOKS: list = []
 
 
 class ProcMeshState:
@@ -134,13 +156,18 @@ class ProcMesh(_Sliceable):
         return [self._state.procs[r] for r in self._view.ranks]
 
     def spawn(self, name: str, actor_class, *args, **kwargs) -> ActorMesh:
-        """Start one ``actor_class(*args, **kwargs)`` per proc; returns once every
-        ``__init__`` has run (a raise there is a SupervisionError naming the rank)."""
+        """Start one ``actor_class(*args, **kwargs)`` per proc and return at once, as
+        Monarch does. Calls sent meanwhile queue behind ``__init__``; if it raises on a rank,
+        the mesh is failed: the next use raises a SupervisionError naming the rank, with the
+        remote traceback, and the failure goes to the spawner's ``__supervise__`` (or, from
+        the controller, to ``unhandled_fault_hook``). ``mesh.initialized.get()`` waits for
+        every ``__init__``; in a notebook, a cell that spawns waits at its end (see README)."""
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn() needs a subclass of monarch_kernel.actor.Actor; got {actor_class!r}. "
                             "Define it as `class MyActor(Actor): ...` with @endpoint methods")
         if not isinstance(name, str) or not name:
             raise TypeError(f"spawn() takes the actor mesh's name first (a str), got {name!r}")
+        _refuse_colliding_endpoints(actor_class)
         rt = runtime()
         if rt.role == "controller":
             rt.raise_unhandled()
@@ -151,23 +178,20 @@ class ProcMesh(_Sliceable):
                           _init_params(actor_class), f"{actor_class.__name__}.__init__")
         keys = [r.key for r in refs]
         call_id, pending = rt.new_call(keys, view.extent, "mesh", f"spawn of '{name}'")
-        frames = rt.pack(st.key, ("spawn", aid, name, body, view, rt.address, call_id))
+        frames = rt.pack(st.key, ("spawn", aid, name, body, view, rt.address, call_id, _owner()))
         for ref in refs:
             rt.send_frames(ref.work, frames)
-        _fail_if_dead(rt, keys, pending)
-        try:
-            pending.future.get(SPAWN_TIMEOUT_S)
-        except ActorError as e:
-            ok = [r for r, v in zip(refs, (e.results.values() if e.results else [])) if v is None]
-            for ref in ok:
-                rt.send(ref.work, st.key, ("stop_actor", aid))
-            raise SupervisionError(MeshFailure(name, e.rank, e.host or "", None,
-                                               f"actor failed to start: {e.message}"),
-                                   f"nothing was spawned.\n\nRemote traceback:\n{e.remote_traceback}") from None
-        am = ActorMeshState(aid, name, actor_class.__qualname__, dict(actor_class._endpoints), st, view)
+        am = ActorMeshState(aid, name, actor_class.__qualname__, dict(actor_class._endpoints), st, view,
+                            plain_methods(actor_class))
         am.body = body
+        am.initialized = pending.future
+        am.spawn_thread = threading.get_ident()
         st.actor_meshes[aid] = am
+        if rt.role == "controller":
+            recent_spawns.append(am)
         _note_owner(aid, keys)
+        pending.future.add_done_callback(lambda f: _on_initialized(am, refs, f))
+        _fail_if_dead(rt, keys, pending)
         hm = st.host_mesh
         if hm is not None:
             hm._register_actor(st, am)
@@ -207,33 +231,69 @@ class ProcMesh(_Sliceable):
                                        "state query")
         for ref in live:
             rt.send(ref.ctrl, st.key, ("query", rt.address, call_id))
-        try:
-            got = dict(zip([r.key for r in live], pending.future.get(timeout).values()))
-        except TimeoutError:
-            rt.abandon(call_id)
-            got = {}
+        # A proc answers from its I/O thread in a millisecond, unless native code holds its GIL:
+        # once some have answered, wait at most a second for the rest, then say which are stuck.
+        t0 = time.monotonic()
+        while True:
+            try:
+                got = dict(zip([r.key for r in live], pending.future.get(0.05).values()))
+                break
+            except TimeoutError:
+                waited = time.monotonic() - t0
+                if waited >= timeout or (waited >= 1.0 and any(pending.answered)):
+                    rt.abandon(call_id)
+                    got = {k: pending.results[i] for k, i in pending.index.items() if pending.answered[i]}
+                    break
         out = []
         for ref in refs:
             if ref.key in rt.dead or st.stopped:
                 out.append({"state": "dead", "pid": ref.pid, "host": ref.host, "rank": ref.rank})
             else:
                 out.append(got.get(ref.key, {"state": "unresponsive", "pid": ref.pid, "host": ref.host,
-                                             "rank": ref.rank}))
+                                             "rank": ref.rank,
+                                             "why": "no answer: native code may hold its GIL"}))
         return ValueMesh(view.extent, out)
 
     def dead_ranks(self) -> list[int]:
         dead = runtime().dead
         return [r for r in self._view.ranks if self._state.procs[r].key in dead]
 
-    def stop(self) -> None:
-        """Stop every proc of this mesh (the whole mesh, even from a slice)."""
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop every proc of this mesh (the whole mesh, even from a slice). Done when it
+        returns (Monarch's returns at once); the Future it returns is for Monarch code that
+        awaits it or calls ``.get()``."""
         st = self._state
-        if st.stopped:
-            return
-        hm = st.host_mesh
-        if hm is None:
-            raise MeshGoneError("stop() is for the controller that spawned or attached this mesh")
-        hm._stop_proc_mesh(st)
+        if not st.stopped:
+            hm = st.host_mesh
+            if hm is None:
+                raise MeshGoneError("stop() is for the controller that spawned or attached this mesh")
+            hm._stop_proc_mesh(st)
+        return _done(None, f"stop of '{st.name}'")
+
+    def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: int | None = None,
+                       level: int = logging.INFO) -> Future[None]:
+        """Monarch's output options for the procs of this mesh, applied when this returns:
+        ``stream_to_client`` sends their stdout/stderr to the controller (ours does by
+        default; False leaves it in the procs' log file), ``level`` sets their root logger's
+        level. ``aggregate_window_sec`` is accepted and recorded; merging identical lines
+        across ranks is not done yet. Returns a Future, so ``await``, ``.get()`` and
+        ``asyncio.run(...)`` all work as with Monarch's coroutine."""
+        if aggregate_window_sec is not None and not stream_to_client:
+            raise ValueError("aggregate_window_sec needs stream_to_client=True (there is nothing to "
+                             "aggregate when output is not streamed)")
+        if not isinstance(level, int):
+            raise TypeError(f"level must be a logging level (an int such as logging.INFO), got {level!r}")
+        rt = runtime()
+        st = self._state
+        live = [st.procs[r] for r in self._view.ranks if st.procs[r].key not in rt.dead]
+        st.check(self._view.ranks[:0])
+        call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
+                                       "logging_option")
+        for ref in live:
+            rt.send(ref.ctrl, st.key, ("logopt", bool(stream_to_client), aggregate_window_sec, level,
+                                       rt.address, call_id))
+        pending.future.get(30)
+        return _applied("logging_option")
 
     def respawn(self) -> ProcMesh:
         """Replace dead procs in place, re-creating the actors that lived on them (their
@@ -243,6 +303,8 @@ class ProcMesh(_Sliceable):
         if hm is None:
             raise MeshGoneError("respawn() is for the controller that spawned or attached this mesh")
         hm._respawn(st)
+        for hook in list(RESPAWN_HOOKS):
+            hook(self)
         return self
 
     def sync_workspace(self, paths=None, **kwargs):
@@ -250,6 +312,35 @@ class ProcMesh(_Sliceable):
         from ..sync import sync_workspace
 
         return sync_workspace(self, paths, **kwargs)
+
+    # torch.distributed and distributed tensors (monarch_kernel.tensor, imported on first use)
+    def init_process_group(self, backend: str | None = None, timeout: float | None = None) -> ProcMesh:
+        """torchrun's env and ``init_process_group`` on every proc (nccl with CUDA, else gloo)."""
+        from ..tensor.dist import init_process_group
+
+        return init_process_group(self, backend, timeout)
+
+    def distribute(self, tensor, placements=None):
+        """A handle to ``tensor`` laid out over this mesh (``placements``: one Shard(d) or
+        Replicate() per mesh dim); each rank holds its local DTensor."""
+        from ..tensor.handle import distribute
+
+        return distribute(self, tensor, placements)
+
+    def tensor(self, factory, placements=None):
+        """A handle to the tensor ``factory()`` makes on the ranks (rank 0's values), laid out
+        by ``placements``."""
+        from ..tensor.handle import from_factory
+
+        return from_factory(self, factory, placements)
+
+    @property
+    def telemetry(self):
+        """SQL over its hosts' samples, proc events, calls and cells; its logs
+        (monarch_kernel.telemetry): ``mesh.telemetry.query("select ... from samples")``."""
+        from ..telemetry.view import MeshTelemetry
+
+        return MeshTelemetry(self._state)
 
     def __repr__(self):
         return f"<ProcMesh '{self.name}' {self._view.describe()}{_dead_note(self)}>"
@@ -268,31 +359,62 @@ def _dead_note(pm: ProcMesh) -> str:
 
 
 class ActorMeshState:
-    def __init__(self, id, name, class_name, endpoints, proc_state: ProcMeshState, view: MeshView):
+    def __init__(self, id, name, class_name, endpoints, proc_state: ProcMeshState, view: MeshView,
+                 methods: tuple = ()):
         self.id, self.name, self.class_name = id, name, class_name
         self.endpoints: dict = endpoints
+        self.methods = tuple(methods)   # public non-endpoint methods, for as_endpoint
         self.proc_state = proc_state
         self.view = view
         self.stopped = False
         self.body: bytes | None = None   # the pickled (class, args, kwargs): re-sent by respawn
+        self.initialized: Future | None = None   # the spawn, on the process that spawned it
+        self.spawn_thread: int | None = None
+        self.init_error: BaseException | None = None
+        self.used = False   # a call was sent: an __init__ failure is reported by that call
 
     def __reduce__(self):
+        if self.initialized is not None and not self.initialized.done():
+            _wait_initialized(self)   # whoever gets the handle may call it from elsewhere at once
         return (_am_from_wire, (self.id, self.name, self.class_name, self.endpoints, self.proc_state,
-                                self.view))
+                                self.view, self.methods))
 
     def record(self) -> dict:
         return {"name": self.name, "class_name": self.class_name, "endpoints": self.endpoints,
-                "view": self.view, "body": self.body}
+                "view": self.view, "body": self.body, "methods": self.methods}
 
 
-def _am_from_wire(id, name, class_name, endpoints, proc_state, view):
+def _am_from_wire(id, name, class_name, endpoints, proc_state, view, methods=()):
     am = proc_state.actor_meshes.get(id)
     if am is None:
-        am = proc_state.actor_meshes[id] = ActorMeshState(id, name, class_name, endpoints, proc_state, view)
+        am = proc_state.actor_meshes[id] = ActorMeshState(id, name, class_name, endpoints, proc_state, view,
+                                                          methods)
     return am
 
 
-class ActorMesh(_Sliceable):
+def _on_initialized(am: ActorMeshState, refs, fut: Future) -> None:
+    """The spawn's replies are in (I/O thread, or a thread waiting on it)."""
+    e = fut.exception() if fut.done() else None
+    if e is None:
+        return
+    rt = runtime()
+    if isinstance(e, ActorError):
+        ok = [r for r, v in zip(refs, (e.results.values() if e.results else [])) if v is None]
+        for ref in ok:   # a mesh is spawned whole or not at all
+            rt.send(ref.work, am.proc_state.key, ("stop_actor", am.id))
+        failure = MeshFailure(am.name, e.rank, e.host or "", None, f"actor failed to start: {e.message}")
+        err = SupervisionError(failure, f"nothing was spawned.\n\nRemote traceback:\n{e.remote_traceback}")
+    else:
+        err = e
+        failure = getattr(e, "failure", None) or MeshFailure(am.name, None, "", None, str(e))
+    am.init_error = err
+    if rt.role == "controller" and not am.used:
+        from .supervision import deliver_unhandled
+
+        deliver_unhandled(failure, err)
+
+
+class ActorMesh(_Sliceable, Generic[T]):
     def __init__(self, state: ActorMeshState, view: MeshView | None = None):
         object.__setattr__(self, "_state", state)
         object.__setattr__(self, "_view", view or state.view)
@@ -313,6 +435,8 @@ class ActorMesh(_Sliceable):
         st = self.__dict__.get("_state") or object.__getattribute__(self, "_state")
         if name in st.endpoints:
             return Endpoint(self, name)
+        if name in st.methods:
+            return NotAnEndpoint(self, name)
         eps = ", ".join(sorted(st.endpoints)) or "none"
         raise AttributeError(f"actor mesh '{st.name}' ({st.class_name}) has no endpoint {name!r}; "
                              f"its endpoints are: {eps}. Mark methods with @endpoint to call them")
@@ -320,17 +444,42 @@ class ActorMesh(_Sliceable):
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._state.endpoints))
 
-    def stop(self) -> None:
+    @property
+    def initialized(self) -> Future[None]:
+        """Done once every member's ``__init__`` ran (fails with the SupervisionError of an
+        ``__init__`` that raised)."""
+        st = self._state
+        st.used = True   # who waits on it is told of a failed __init__: not raised again later
+        if st.init_error is not None:
+            _consume_unhandled(runtime(), st.init_error)
+            return _failed(st.init_error, f"spawn of '{st.name}'")
+        if st.initialized is None:
+            return _done(None, f"spawn of '{st.name}'")
+        return chained(st.initialized, lambda _v: None, f"spawn of '{st.name}'")
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop every member (the whole mesh, even from a slice): each runs
+        ``__cleanup__(None)``. Returns at once; the Future is done when all cleaned up."""
         st = self._state
         if st.stopped:
-            return
+            return _done(None, f"stop of '{st.name}'")
         st.stopped = True
         rt = runtime()
         ps = st.proc_state
-        for r in st.view.ranks:
-            ref = ps.procs[r]
-            if ref.key not in rt.dead and not ps.stopped:
-                rt.send(ref.work, ps.key, ("stop_actor", st.id))
+        live = [ps.procs[r] for r in st.view.ranks if ps.procs[r].key not in rt.dead and not ps.stopped]
+        # Stopped means gone: from this controller's listing and from the agents' registry,
+        # so a controller that attaches later does not see it either.
+        ps.actor_meshes.pop(st.id, None)
+        hm = getattr(ps, "host_mesh", None)
+        if hm is not None and not ps.stopped:
+            hm._register_actor(ps, st, forget=True)
+        if not live:
+            return _done(None, f"stop of '{st.name}'")
+        call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
+                                       f"stop of '{st.name}'")
+        for ref in live:
+            rt.send(ref.work, ps.key, ("stop_actor", st.id, str(reason), rt.address, call_id))
+        return chained(pending.future, lambda _v: None, f"stop of '{st.name}'")
 
     def __repr__(self):
         return f"<ActorMesh '{self.name}' {self._state.class_name} {self._view.describe()}>"
@@ -341,139 +490,33 @@ class ActorMesh(_Sliceable):
         return actor_mesh_html(self)
 
 
-class Endpoint:
-    """``mesh.method``: call it with an adverb (``call``, ``call_one``, ``choose``,
-    ``stream``, ``broadcast``)."""
-
-    __slots__ = ("_mesh", "_name")
-
-    def __init__(self, mesh: ActorMesh, name: str):
-        self._mesh, self._name = mesh, name
-
-    def __call__(self, *a, **k):
-        raise TypeError(f"call an endpoint with an adverb: {self._name}.call(...) (all members, a "
-                        f"ValueMesh), .call_one(...) (a single member), .choose(...), .stream(...) "
-                        f"or .broadcast(...)")
-
-    def _send(self, ranks, extent, mode, args, kwargs, reply=True) -> PendingCall | None:
-        am = self._mesh._state
-        ps = am.proc_state
-        rt = runtime()
-        if rt._unhandled and rt.role == "controller":
-            rt.raise_unhandled()
-        if am.stopped:
-            raise MeshGoneError(f"actor mesh '{am.name}' was stopped")
-        refs = ps.check(ranks)
-        keys = [r.key for r in refs]
-        what = f"{am.name}.{self._name}"
-        if reply:
-            call_id, pending = rt.new_call(keys, extent, mode, what)
-        else:
-            call_id, pending = 0, None
-        msg = ("call", am.id, self._name, args, kwargs, rt.address, call_id, wire.SOURCES)
-        try:
-            frames = rt.pack(ps.key, msg, [r.work for r in refs])
-        except BaseException as e:
-            if reply:
-                rt.abandon(call_id)
-            _explain_unpicklable(e, args, kwargs, am.endpoints.get(self._name, (False, ()))[1], what)
-            raise
-        for ref in refs:
-            rt.send_frames(ref.work, frames)
-        if pending is not None:
-            _fail_if_dead(rt, keys, pending)
-        return pending
-
-    def call(self, *args, **kwargs) -> Future[ValueMesh]:
-        """Every member; a Future of a ValueMesh shaped like the mesh."""
-        view = self._mesh._view
-        return self._send(view.ranks, view.extent, "mesh", args, kwargs).future
-
-    def call_one(self, *args, **kwargs) -> Future:
-        view = self._mesh._view
-        if len(view) != 1:
-            raise ValueError(f"call_one needs a mesh of exactly 1 member; '{self._mesh.name}' has "
-                             f"{len(view)} ({view.describe()}). Slice it first, e.g. "
-                             f"mesh.slice({view.labels[0] if view.labels else 'gpus'}=0), or use call()")
-        return self._send(view.ranks, view.extent, "one", args, kwargs).future
-
-    def choose(self, *args, **kwargs) -> Future:
-        """One member, the least busy (fewest calls of ours in flight)."""
-        rt = runtime()
-        ps = self._mesh._state.proc_state
-        live = [r for r in self._mesh._view.ranks if ps.procs[r].key not in rt.dead]
-        if not live:
-            ps.check(self._mesh._view.ranks)
-        out = rt.outstanding
-        best = min(live, key=lambda r: out.get(ps.procs[r].key, 0))
-        return self._send([best], Extent((), ()), "one", args, kwargs).future
-
-    def stream(self, *args, **kwargs) -> Iterator:
-        """Every member; yields each value as it arrives (an ActorError as it arrives)."""
-        view = self._mesh._view
-        pending = self._send(view.ranks, view.extent, "stream", args, kwargs)
-
-        def results():
-            while True:
-                item = pending.queue.get()
-                if item is None:
-                    return
-                ok, value = item
-                if not ok:
-                    raise value
-                yield value
-
-        return results()
-
-    def broadcast(self, *args, **kwargs) -> None:
-        """Every member, fire and forget; a failure surfaces on a later interaction."""
-        view = self._mesh._view
-        self._send(view.ranks, view.extent, "mesh", args, kwargs, reply=False)
+# ActorMesh's own public names: an endpoint called so would be hidden behind them.
+_MESH_ATTRS = frozenset(n for n in dir(ActorMesh) if not n.startswith("_"))
 
 
-def _fail_if_dead(rt: Runtime, keys, pending):
-    """A proc that died between our check and our send: fail its part now."""
-    dead = rt.dead
-    if dead:
-        for k in keys:
-            if k in dead:
-                pending.deliver(k, False, dead[k])
+def _refuse_colliding_endpoints(cls) -> None:
+    clash = sorted(set(cls._endpoints) & _MESH_ATTRS)
+    if clash:
+        raise ValueError(f"{cls.__qualname__} has endpoint(s) named {', '.join(map(repr, clash))}, which an "
+                         f"ActorMesh already uses ({', '.join('ActorMesh.' + c for c in clash)}): the mesh "
+                         "could not reach them. Rename the endpoint(s), e.g. "
+                         f"{clash[0]!r} -> {clash[0] + '_'!r}")
 
 
-def _init_params(cls) -> tuple:
-    from .actors import endpoint_signature
+def _owner():
+    """Who supervises a mesh spawned here: None for the controller, else the spawning
+    actor's (work address, key, actor id) so its proc can deliver failures to it."""
+    from .context import _CTX
 
-    return endpoint_signature(cls.__init__)[1]
+    ctx = _CTX.get()
+    if ctx is None or not ctx.actor_instance.actor_id or ctx.actor_instance.actor_id == "client":
+        return None
+    import workers.proc as proc_mod
 
-
-def _pack_args(pack, msg, args, kwargs, params, what):
-    """Pickle ``msg``; if that fails, name the argument that cannot be sent and its type."""
-    try:
-        return pack(msg)
-    except Exception as e:
-        _explain_unpicklable(e, args, kwargs, params, what)
-        raise
-
-
-def _explain_unpicklable(e: BaseException, args, kwargs, params, what) -> None:
-    """After pickling failed: raise a TypeError naming the argument to blame and its type."""
-    if not isinstance(e, Exception):
-        return
-    named = [(params[i] if i < len(params) else f"#{i}", a) for i, a in enumerate(args)]
-    for name, value in [*named, *kwargs.items()]:
-        if not _picklable(value):
-            raise TypeError(f"{what}: argument {name!r} ({type(value).__module__}.{type(value).__qualname__}) "
-                            f"cannot be sent to the mesh: it cannot be pickled ({e}). Send plain data, "
-                            "tensors, or picklable objects instead") from None
-    raise TypeError(f"{what}: the message cannot be pickled: {e}") from e
-
-
-def _picklable(obj) -> bool:
-    try:
-        wire.dumps(obj)
-        return True
-    except Exception:
-        return False
+    w = proc_mod.WORKER
+    if w is None:
+        return None
+    return (w.work_addr, w.key, ctx.actor_instance.actor_id)
 
 
 def _note_owner(aid: str, keys) -> None:

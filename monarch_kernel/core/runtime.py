@@ -57,13 +57,14 @@ class PendingCall:
     'stream' -> items pushed to ``queue`` as they arrive."""
 
     __slots__ = ("future", "keys", "index", "results", "failed", "remaining", "extent", "mode",
-                 "queue", "what")
+                 "queue", "what", "answered")
 
     def __init__(self, keys: list[str], extent, mode: str, what: str):
         self.future = Future(what)
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}
         self.results = [None] * len(keys)
+        self.answered = bytearray(len(keys))   # 1 where that member replied (a value may be None)
         self.failed: list[int] = []
         self.remaining = len(keys)
         self.extent = extent
@@ -81,6 +82,7 @@ class PendingCall:
         if i is None or self.results[i] is _DONE_MARK:
             return False
         self.results[i] = value
+        self.answered[i] = 1
         if not ok:
             self.failed.append(i)
             if isinstance(value, SupervisionError):
@@ -176,6 +178,8 @@ class Runtime:
         self.bind_host = bind_host
         self._tls = threading.local()
         self._all_senders: list[zmq.Socket] = []
+        self._retired: dict[str, int] = {}   # address of a forgotten proc -> generation (forget_procs)
+        self._retired_gen = 0
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
         self.outstanding: collections.Counter = collections.Counter()
@@ -218,9 +222,13 @@ class Runtime:
 
     # ----------------------------------------------------------------- sending (any thread)
     def _sender(self, addr: str) -> zmq.Socket:
-        socks = getattr(self._tls, "socks", None)
+        tls = self._tls
+        socks = getattr(tls, "socks", None)
         if socks is None:
-            socks = self._tls.socks = {}
+            socks = tls.socks = {}
+            tls.retired_seen = self._retired_gen
+        elif tls.retired_seen != self._retired_gen:
+            self._close_retired(tls)
         # Keyed by where we really connect: a tcp port can be reused by a new proc on this
         # host with a new ipc name, and a socket cached by the tcp address would still send
         # to the old one.
@@ -234,6 +242,34 @@ class Runtime:
             socks[target] = s
             self._all_senders.append(s)
         return s
+
+    def forget_procs(self, refs) -> None:
+        """Procs that were stopped or replaced: every thread closes its sockets to them (on
+        its next send; sockets are not thread-safe), so a spawn/stop cycle leaks no fd."""
+        retired = self._retired
+        self._retired_gen += 1
+        gen = self._retired_gen
+        for r in refs:
+            self.procs.pop(r.key, None)
+            for a in (r.work, r.ctrl, r.work_ipc, r.ctrl_ipc):
+                if a:
+                    retired[a] = gen
+            self.ipc_alias.pop(r.work, None)
+            self.ipc_alias.pop(r.ctrl, None)
+        while len(retired) > 4096:   # oldest first: every thread has long seen them
+            del retired[next(iter(retired))]
+        self.call_in_io(lambda: self._close_retired(self._tls) if hasattr(self._tls, "socks") else None)
+
+    def _close_retired(self, tls) -> None:
+        seen, retired, socks = tls.retired_seen, self._retired, tls.socks
+        tls.retired_seen = self._retired_gen
+        for target in [t for t in socks if retired.get(t, 0) > seen]:
+            s = socks.pop(target)
+            try:
+                self._all_senders.remove(s)
+            except ValueError:
+                pass
+            s.close(0)
 
     def pack(self, key: bytes, msg, dests=()) -> list:
         """Sign and pickle ``msg``. ``dests``: the addresses it will be sent to; when all are
@@ -259,6 +295,14 @@ class Runtime:
         for k in keys:
             out[k] += 1
         return call_id, p
+
+    def answered_so_far(self, fut: Future) -> list | None:
+        """For a call still pending: per member, (True, value) if it replied, else (False,
+        None). Lets a caller that gives up keep what the members that did answer returned."""
+        for p in list(self._pending.values()):
+            if p.future is fut:
+                return [(bool(a), v) for a, v in zip(p.answered, p.results)]
+        return None
 
     def abandon(self, call_id: int) -> None:
         p = self._pending.pop(call_id, None)
@@ -296,10 +340,40 @@ class Runtime:
         if holder is not None and holder != threading.get_ident():
             self.send(self.address, next(iter(self.keyring._keys.values())), ("wake",))
 
+    def listen_on(self, host: str) -> str:
+        """Also accept on ``tcp://host:*`` and give that address to peers from now on.
+
+        A job's launcher calls it with the local address that routes to the job's hosts
+        (a notebook's runtime starts on loopback, before any job exists). Procs and agents
+        that already know the old address keep using it: it stays bound. The inbox is
+        taken over as ``wait_for`` does, so no other thread touches the socket meanwhile.
+        """
+        if host == self.bind_host:
+            return self.address
+        with self._want_lock:
+            self._inbox_wanted += 1
+        try:
+            while not self._inbox_lock.acquire(timeout=0.002):
+                if self._inbox_holder == self._thread.ident:
+                    os.write(self._wake_w, b"i")
+            try:
+                self.inbox.bind(f"tcp://{host}:*")
+                addr = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+            finally:
+                self._inbox_lock.release()
+        finally:
+            with self._want_lock:
+                self._inbox_wanted -= 1
+        self.address, self.bind_host = addr, host
+        self.contact = [addr, self.ipc_address, self.host_id]
+        return addr
+
     def register_procs(self, refs, key: bytes) -> None:
         self.keyring.add(key)
         for r in refs:
             self.procs[r.key] = (r, key)
+            for a in (r.work, r.ctrl, r.work_ipc, r.ctrl_ipc):   # a reused port is live again
+                self._retired.pop(a, None)
             if r.host_id and r.host_id == self.host_id and r.work_ipc:
                 self.ipc_alias[r.work] = r.work_ipc
                 self.ipc_alias[r.ctrl] = r.ctrl_ipc
@@ -564,9 +638,11 @@ class Runtime:
             fn(old_key, ref)
 
     def _on_unhandled(self, msg):
+        from .supervision import deliver_unhandled, failure_of
+
         err = msg[1]
-        log.error("unhandled supervision failure: %s", err)
-        self._unhandled.append(err)
+        deliver_unhandled(failure_of(err), err, seen=len(msg) > 2 and bool(msg[2]),
+                          mesh_id=msg[3] if len(msg) > 3 else None)
 
     def _on_agent_socket(self, sock):
         link = next((lk for lk in self.agents.values() if lk.sock is sock), None)

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from .shape import Extent, Point
 
+T = TypeVar("T")
 
-class ValueMesh:
+
+class ValueMesh(Generic[T]):
     """Results of ``call`` (or of an ``%%on_mesh`` cell), laid out like the mesh called.
 
     ``items()`` yields ``(Point, value)``; ``values()`` the values in rank order;
@@ -54,6 +57,22 @@ class ValueMesh:
             if not 0 <= c < size:
                 raise ValueError(f"{label}={c} is out of range (size {size})")
             rank = rank * size + c
+        return self._values[rank]
+
+    def slice(self, **selection) -> ValueMesh:
+        """The values of a sub-mesh, as ``mesh.slice(...)`` selects members:
+        ``vm.slice(gpus=slice(0, 2))``; an int drops the dim (``vm.slice(hosts=0)``)."""
+        from .shape import MeshView
+
+        view = MeshView(self._extent.labels, self._extent.sizes).slice(**selection)
+        return ValueMesh(view.extent, [self._values[r] for r in view.ranks])
+
+    def flatten(self, name: str) -> ValueMesh:
+        """One dim called ``name`` holding every value in rank order."""
+        return ValueMesh(Extent((name,), (len(self._values),)), self._values)
+
+    def get(self, rank: int):
+        """The value of the member at ``rank`` (row-major position), as Monarch's ``get``."""
         return self._values[rank]
 
     def __getitem__(self, rank: int):

@@ -326,12 +326,49 @@ class _LenientUnpickler(pickle.Unpickler):
             return _Missing
 
 
+class _StubMeta(type):
+    def __call__(cls, *args, **kwargs):
+        return cls   # calling a stub (a reconstructor) gives the stub type back
+
+    def __getattr__(cls, name):
+        return cls
+
+    def __setitem__(cls, key, value):
+        pass
+
+
+class _Stub(metaclass=_StubMeta):
+    """Stands in for every global, and for whatever calling or building one returns."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __getattr__(self, name):
+        return _Stub
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+
+class _StubUnpickler(pickle.Unpickler):
+    """Every global is a _Stub: no user code (a raising __setstate__ or __reduce__) runs."""
+
+    def find_class(self, module, name):
+        return _Stub
+
+
 def _lenient_loads(header, buffers):
-    """Load a message that failed to load, with _Missing for what cannot be imported, just
-    to learn who to answer. Only on the failure path; None if it fails anyway."""
-    try:
-        return _LenientUnpickler(io.BytesIO(header), buffers=buffers).load()
-    except Exception:
-        return None
+    """Load a message that failed to load, with _Missing for what cannot be imported (or,
+    when user code raised while loading, for every class), just to learn who to answer.
+    Only on the failure path; None if it fails anyway."""
+    for unpickler in (_LenientUnpickler, _StubUnpickler):
+        try:
+            return unpickler(io.BytesIO(header), buffers=buffers).load()
+        except Exception:
+            continue
+    return None
 
 

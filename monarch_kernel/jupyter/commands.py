@@ -30,14 +30,23 @@ def _per_host(text: str) -> dict:
 
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
-                      usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--lease DURATION]")
+                      usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
+                            "[--lease DURATION]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
                                              f"{default_mesh_name()!r})")
 _size = CONNECT.add_mutually_exclusive_group()
 _size.add_argument("--procs", type=int, metavar="N", help="N worker procs (default: one per GPU, else core)")
 _size.add_argument("--per-host", metavar="DIM=N", help="named dims per host, e.g. gpus=4")
+CONNECT.add_argument("--dist", nargs="?", const="auto", metavar="BACKEND",
+                     help="also form a torch.distributed process group over every proc (nccl with CUDA, "
+                          "else gloo; or name the backend)")
 CONNECT.add_argument("--lease", metavar="DURATION",
                      help="keep the mesh this long with no notebook attached (90s, 15m, 2h; default 1h)")
+_where = CONNECT.add_mutually_exclusive_group()
+_where.add_argument("--job", metavar="VAR", help="hosts from a monarch_kernel.job job in notebook variable VAR "
+                                                 "(its first mesh)")
+_where.add_argument("--slurm", metavar='"SBATCH ARGS"', help='hosts from a Slurm allocation, e.g. --slurm "-N 2 '
+                                                             '-p gpu --gpus-per-node 8"')
 
 
 @mesh_command(CONNECT)
@@ -46,10 +55,14 @@ def connect(ctx, args):
         raise ValueError(f"--procs must be at least 1, got {args.procs}")
     per_host = _per_host(args.per_host) if args.per_host else None
     lease = parse_duration(args.lease) if args.lease else None
+    from .jobs import job_from_args, job_progress
+
+    job = job_from_args(ctx.shell.user_ns, args, lease)
     t0 = time.perf_counter()
     progress = ConnectProgress(ctx)
     try:
-        pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=progress.update)
+        pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=progress.update, job=job,
+                                          job_progress=job_progress() if job is not None else None)
     except BaseException:
         progress.done()
         raise
@@ -58,7 +71,8 @@ def connect(ctx, args):
     dims = ", ".join(f"{k}={v}" for k, v in pm.sizes.items())
     how = "started" if spawned else "re-attached (namespaces and actors kept)"
     progress.done()
-    print(f"mesh {name!r}: {len(pm)} procs ({dims}) {how} in {took:.2f} s")
+    where = f" on {job.kind} job {job.job_id}" if job is not None else ""
+    print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     dead = pm.dead_ranks()
     if dead:
         print(f"{rank_ranges(dead)} died while no notebook was attached: `mesh.respawn()` replaces them")
@@ -66,7 +80,19 @@ def connect(ctx, args):
     if isinstance(ns.get("mesh", None), (ProcMesh, type(None))):
         ns["mesh"] = pm
         print("`mesh` is its ProcMesh (spawn actors with mesh.spawn(...)); run cells with %%on_mesh")
+    if args.dist:
+        _connect_dist(pm, args.dist)
     return None
+
+
+def _connect_dist(pm: ProcMesh, backend: str) -> None:
+    from ..tensor.dist import mesh_group
+
+    t0 = time.perf_counter()
+    pm.init_process_group(None if backend == "auto" else backend)
+    g = mesh_group(pm)
+    print(f"torch.distributed: {g.backend} process group over {len(pm)} ranks in {time.perf_counter() - t0:.2f} s "
+          f"(collective timeout {g.timeout_s:g} s); cells can use DDP, FSDP and DTensor as under torchrun")
 
 
 class ConnectProgress:
@@ -136,7 +162,12 @@ def status(ctx, args):
     dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
     dead = procs.dead_ranks()
     note = f"{rank_ranges(dead)} dead: `mesh.respawn()` replaces them" if dead else ""
-    return Table(f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})", head, rows, note)
+    title = f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})"
+    if ctx.session.job is not None:
+        from .jobs import describe_job
+
+        title += f"; {describe_job(ctx.session.job)}"
+    return Table(title, head, rows, note)
 
 
 def _state(s: str) -> str:
@@ -250,5 +281,18 @@ _selection(PULL)
 @mesh_command(PULL)
 def pull(ctx, args):
     _, cells = ctx.require()
+    handle = ctx.shell.user_ns.get(args.name)
+    if type(handle).__name__ == "DistributedTensor" and type(handle).__module__ == "monarch_kernel.tensor.handle":
+        return _pull_shards(handle, args)
     target = select(cells, args.ranks, args.slice)
     return ctx.call_cells(target, "pull", (args.name,), what="the pull")
+
+
+def _pull_shards(handle, args):
+    """``%mesh pull`` of a distributed tensor handle: each rank's local shard, as a ValueMesh."""
+    from .display import CellValues
+
+    if args.ranks or args.slice:
+        raise UsageError("%mesh pull of a distributed tensor brings every rank's shard; use "
+                         "fetch_shard(t, gpus=i) for one")
+    return CellValues(handle.mesh.extent, handle.local_shards())

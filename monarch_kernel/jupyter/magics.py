@@ -32,12 +32,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.errors import ActorError, MeshGoneError, SupervisionError
-from .display import cell_error
+from .display import CellInterrupted, cell_error
 from .on_mesh import _Run, cell_run_args, outcome, select, supervision_message
 from .output import OutputRouter
 from .session import NotConnected, session
 
-OPTIONAL_COMMANDS = {"sync": "monarch_kernel.sync.magic", "debug": "monarch_kernel.debug.magic"}
+OPTIONAL_COMMANDS = {"sync": "monarch_kernel.sync.magic", "debug": "monarch_kernel.debug.magic",
+                     "logs": "monarch_kernel.telemetry.magic", "top": "monarch_kernel.telemetry.magic"}
 
 
 class MagicArgumentParser(argparse.ArgumentParser):
@@ -230,6 +231,9 @@ class MeshMagics(Magics):
         args, run, cap = prepared
         try:
             values = _values(run.wait_sync)
+        except CellInterrupted as e:   # ranks that would not stop: keep what the others returned
+            self._keep_partial(args, e)
+            raise
         finally:
             run.done()
             self.router.end(cap)
@@ -245,10 +249,19 @@ class MeshMagics(Magics):
                 values = (await run.wait_async()).values()
             except (ActorError, SupervisionError) as e:
                 values = _partial_values(e)
+        except CellInterrupted as e:
+            self._keep_partial(args, e)
+            raise
         finally:
             run.done()
             self.router.end(cap)
         return self._result(args, run, values)
+
+    def _keep_partial(self, args, e) -> None:
+        if getattr(e, "results", None) is not None:
+            self.shell.user_ns["_on_mesh"] = e.results
+            if args.out:
+                self.shell.user_ns[args.out] = e.results
 
     def _result(self, args, run, values):
         ns = self.shell.user_ns
@@ -378,6 +391,9 @@ def load_ipython_extension(ipython) -> None:
         ipython._last_traceback = None
     CELL_NUMBER.install(ipython)
     _MAGICS = MeshMagics(ipython, _ROUTER)
+    from .spawn_check import install as install_spawn_check
+
+    install_spawn_check(ipython)   # a cell that spawns shows a failed __init__ under itself
     ipython.register_magics(_MAGICS)
     if rewrite_on_mesh_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(rewrite_on_mesh_cell)

@@ -176,11 +176,23 @@ class _Run:
         from ..core.runtime import runtime
 
         rt = runtime()
-        busy = [r for r in self.ranks if self.procs._state.procs[r].key not in rt.dead]
-        raise cell_error([(busy, "KeyboardInterrupt", f"{self.what} {self.reason}, but did not stop within "
-                           f"{STOP_GRACE_S:g} s (a rank may be stuck in native code)", "")],
-                         note="those ranks stay busy; `%mesh status` shows them, `%mesh stop` ends the mesh",
-                         base=CellInterrupted)
+        # Only the ranks that have not answered are stuck; the others' values are kept.
+        answered = rt.answered_so_far(self.future) or [(False, None)] * len(self.ranks)
+        busy = [r for r, (a, _) in zip(self.ranks, answered) if not a
+                and self.procs._state.procs[r].key not in rt.dead]
+        done = [r for r, (a, _) in zip(self.ranks, answered) if a]
+        values = [v for _, v in answered]
+        groups = [(busy, "KeyboardInterrupt", f"{self.what} {self.reason}, but did not stop within "
+                   f"{STOP_GRACE_S:g} s (a rank may be stuck in native code)", "")]
+        for r, v in zip(self.ranks, values):   # ranks that answered with an error keep it
+            if isinstance(v, (CellFailure, ActorError)):
+                groups.append(([r], getattr(v, "exc_type", "") or type(v).__name__, getattr(v, "message", str(v)),
+                               getattr(v, "traceback", "") or getattr(v, "remote_traceback", "")))
+        ok = [r for r in done if not isinstance(values[self.ranks.index(r)], (CellFailure, ActorError))]
+        note = ("those ranks stay busy; `%mesh status` shows them, `%mesh stop` ends the mesh"
+                + (f"; the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""))
+        result = CellValues(self.target._view.extent, values, self.ranks)
+        raise cell_error(groups, result, note=note, base=CellInterrupted)
 
 
 def _hold_s() -> float:

@@ -10,9 +10,11 @@ path in ``JPY_SESSION_NAME``; without it the name is ``default``.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 
@@ -54,6 +56,7 @@ class MeshSession:
 
     def __init__(self):
         self.host: HostMesh | None = None
+        self.job = None            # a monarch_kernel.job JobTrait when the mesh came from a job
         self.procs: ProcMesh | None = None
         self.cells: ActorMesh | None = None
         self.name: str | None = None
@@ -78,23 +81,31 @@ class MeshSession:
 
     # ------------------------------------------------------------------ connect
     def connect(self, name: str | None, procs: int | None, per_host: dict | None, lease: float | None,
-                progress=None) -> tuple[ProcMesh, bool]:
+                progress=None, job=None, job_progress=None) -> tuple[ProcMesh, bool]:
         """Attach to (or start) mesh ``name`` and its notebook proc mesh; True if it was
-        spawned now, False if re-attached."""
-        name = name or default_mesh_name()
+        spawned now, False if re-attached. With ``job`` (a ``monarch_kernel.job`` job), the
+        hosts are the job's first mesh: its allocation is asked for, or re-attached to
+        when a kernel before this one asked for it."""
+        name = name or (job.name if job is not None else default_mesh_name())
         if self._prewarm is not None:
             self._prewarm.join()
-        if self.host is not None and self.name != name:
+        if self.host is not None and (self.name != name or job is not None):
             self.disconnect()
         stale = hosts_mod._named.get(name)
         if stale is not None and not stale._detached and not host_alive(stale):
             stale._forget()
-        hm = this_host(name, lease=lease)
-        if lease is not None or (self._prewarmed == name and hm._process is not None):
-            set_lease(hm, lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
+        if job is not None:
+            state = job.state(progress=job_progress)
+            hm = state[next(iter(job.meshes))]
+            if lease is not None:
+                set_lease(hm, lease)
+        else:
+            hm = this_host(name, lease=lease)
+            if lease is not None or (self._prewarmed == name and hm._process is not None):
+                set_lease(hm, lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
         if self._prewarmed == name:
             self._prewarmed = None   # it is the user's mesh now, kept on shutdown
-        self.host, self.name = hm, name
+        self.host, self.name, self.job = hm, name, job
         spawned = False
         try:
             pm = hm.proc_mesh(PROC_MESH)
@@ -104,7 +115,10 @@ class MeshSession:
             spawned = True
         else:
             want = per_host or ({"gpus": procs} if procs else None)
-            if want and dict(zip(pm._state.labels, pm._state.sizes, strict=False)) != want:
+            have_dims = dict(zip(pm._state.labels, pm._state.sizes, strict=False))
+            if "hosts" in have_dims and "hosts" not in (want or {}):
+                have_dims.pop("hosts")   # a multi-host mesh: --procs counts procs per host
+            if want and have_dims != want:
                 have = ", ".join(f"{k}={v}" for k, v in zip(pm._state.labels, pm._state.sizes, strict=False))
                 raise ValueError(f"mesh {name!r} already runs with {have}; `%mesh stop {name}` first to "
                                  "start it with another size (its state will be lost)")
@@ -135,7 +149,9 @@ class MeshSession:
     # ------------------------------------------------------------------ leave
     def disconnect(self) -> str | None:
         name = self.name
-        if self.host is not None and not self.host._detached:
+        if self.job is not None:
+            self.job.disconnect()   # the allocation keeps running until its lease
+        elif self.host is not None and not self.host._detached:
             self.host.detach()
         self.forget()
         return name
@@ -145,6 +161,12 @@ class MeshSession:
         name = name or self.name or default_mesh_name()
         if self._prewarm is not None:
             self._prewarm.join()
+        job = self.job if self.name == name else _cached_job(name)
+        if job is not None:   # procs, agents and the allocation (scancel, pods, ...)
+            job.kill()
+            if self.name == name:
+                self.forget()
+            return name
         hm = self.host if self.name == name else None
         if hm is None or hm._detached:
             hm = hosts_mod._named.get(name)
@@ -163,7 +185,7 @@ class MeshSession:
         return name
 
     def forget(self) -> None:
-        self.host = self.procs = self.cells = None
+        self.host = self.procs = self.cells = self.job = None
         self.name = None
 
     def shutdown_kernel(self) -> None:
@@ -174,7 +196,9 @@ class MeshSession:
         pre = self._prewarmed and hosts_mod._named.get(self._prewarmed)
         if pre and not pre._detached and not pre.proc_meshes and pre is not self.host:
             pre.shutdown()
-        if self.host is not None and not self.host._detached:
+        if self.job is not None:
+            self.job.disconnect()   # a job's allocation outlives the kernel, until its lease
+        elif self.host is not None and not self.host._detached:
             if self.host.proc_meshes:
                 self.host.detach()
             else:
@@ -194,14 +218,32 @@ def host_alive(hm: HostMesh | None) -> bool:
     if proc is not None and proc.poll() is not None:   # our child: poll() also reaps it
         return False
     rt = runtime()
+    here = socket.gethostname()
+    gone = 0
     for a in hm._agents:
         link = rt.agents.get(a["addr"])
-        if link is not None and link.lost:
-            return False
         pid = a.get("pid")
-        if pid and a.get("host") in hm.hosts and not _pid_alive(pid):
-            return False
-    return True
+        if (link is not None and link.lost) or (pid and a.get("host") == here and not _pid_alive(pid)):
+            gone += 1
+    # A mesh of several hosts that lost some keeps its other hosts' ranks (and their state).
+    return gone == 0 or (len(hm._agents) > 1 and gone < len(hm._agents))
+
+
+def _cached_job(name: str):
+    """The job cached under mesh ``name`` (a kernel before this one asked for it), or None."""
+    from ..core.connection import connection_path
+
+    path = connection_path(name)
+    try:
+        with open(path) as f:
+            is_job = bool(json.load(f).get("job"))
+    except (OSError, ValueError):
+        return None
+    if not is_job:
+        return None
+    from ..job import job_load
+
+    return job_load(path)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -231,6 +273,9 @@ def set_lease(hm: HostMesh, seconds: float) -> None:
 
 def _spawn_with_progress(hm: HostMesh, per_host: dict | None, progress) -> ProcMesh:
     """spawn_procs, reporting (ready, total) to ``progress`` while the procs start."""
+    from ..core.hosts import default_per_host
+
+    per_host = per_host or default_per_host()   # spawn_procs' own default is Monarch's: 1 per host
     if progress is None:
         return hm.spawn_procs(per_host=per_host, name=PROC_MESH)
     from ..core.hosts import _gpu_count

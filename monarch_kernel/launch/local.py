@@ -21,11 +21,11 @@ READY = "MONARCH_AGENT_READY "
 
 def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float | None = None,
                       conn_file: str | Path | None = None, bind: str = "127.0.0.1",
-                      timeout: float = 60.0) -> tuple[dict, subprocess.Popen]:
+                      timeout: float = 60.0, python: str | None = None) -> tuple[dict, subprocess.Popen]:
     logs = home() / "logs"
     logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_path = logs / f"{name}.log"
-    args = [sys.executable, "-m", "workers.agent", "--bind", bind, "--name", name]
+    args = [python or sys.executable, "-m", "workers.agent", "--bind", bind, "--name", name]
     if persistent:
         args.append("--persistent")
     else:

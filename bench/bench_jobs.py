@@ -1,0 +1,153 @@
+"""Jobs on a cluster: SlurmJob on the two-node test cluster (tests/slurm_cluster.py, each
+node its own network namespace), and ProcessJob for comparison.
+
+  sudo .venv/bin/python bench/bench_jobs.py [--runs 3]
+
+Figures (one JSON line each, the shared record format; median of --runs):
+  slurm_state_s             job.state(): sbatch to both agents attached
+  slurm_first_reply_s       job.state() + spawn 2 nodes x 2 procs + first actor reply (goal <= 1.5 s)
+  slurm_node_loss_s         a node's link down to the failed future of a call on it (goal <= 5 s)
+  slurm_reattach_s          a new process: state() re-attaching + the first reply of an existing actor (<= 1 s)
+  slurm_kill_s              kill() to nothing queued and no agent left (goal <= 2 s)
+  process_first_reply_s     the same first reply with ProcessJob (local agent processes)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-jobs-"))
+from _common import common  # noqa: E402
+
+emit = common.emit
+
+REATTACH = """
+import json, sys, time
+t0 = time.perf_counter()
+from monarch_kernel.job import SlurmJob
+job = SlurmJob(meshes={"hosts": 2})
+pm = job.state().hosts.proc_mesh("procs")
+pm.actor_mesh("where").host.call().get(timeout=30)
+print(json.dumps(time.perf_counter() - t0))
+job.disconnect()
+"""
+
+
+def _actor():
+    from monarch_kernel.actor import Actor, endpoint
+
+    class Where(Actor):
+        @endpoint
+        def host(self) -> str:
+            import socket
+
+            return socket.gethostname()
+
+        @endpoint
+        def sleep(self, s: float) -> float:
+            time.sleep(s)
+            return s
+
+    return Where
+
+
+def _agents_left(pids) -> int:
+    left = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                left += f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            pass
+    return left
+
+
+def slurm_run(cluster, Where) -> dict:
+    from monarch_kernel.actor import SupervisionError
+    from monarch_kernel.job import SlurmJob
+
+    out = {}
+    job = SlurmJob(meshes={"hosts": 2})
+    t0 = time.perf_counter()
+    state = job.state()
+    out["slurm_state_s"] = time.perf_counter() - t0
+    where = state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
+    where.host.call().get(timeout=60)
+    out["slurm_first_reply_s"] = time.perf_counter() - t0
+    job.disconnect()
+    r = subprocess.run([sys.executable, "-c", REATTACH], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out["slurm_reattach_s"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    where = job.state().hosts.proc_mesh("procs").actor_mesh("where")
+    fut = where.slice(hosts=1).sleep.call(30)
+    time.sleep(0.3)
+    cluster.link("n2", up=False)
+    t0 = time.perf_counter()
+    try:
+        fut.get(timeout=30)
+    except SupervisionError:
+        out["slurm_node_loss_s"] = time.perf_counter() - t0
+    cluster.link("n2", up=True)
+    pids = [a["pid"] for a in job._agents]
+    t0 = time.perf_counter()
+    job.kill()
+    while cluster.queue() or _agents_left(pids):
+        time.sleep(0.01)
+    out["slurm_kill_s"] = time.perf_counter() - t0
+    return out
+
+
+def process_run(Where) -> dict:
+    from monarch_kernel.job import ProcessJob
+
+    job = ProcessJob(meshes={"hosts": 2})
+    t0 = time.perf_counter()
+    where = job.state().hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
+    where.host.call().get(timeout=60)
+    took = time.perf_counter() - t0
+    job.kill()
+    return {"process_first_reply_s": took}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    a = p.parse_args(argv)
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    Where = _actor()
+    from slurm_cluster import SlurmCluster, unavailable
+
+    runs: list[dict] = []
+    why = unavailable()
+    if why:
+        print(f"# no Slurm test cluster: {why}; Slurm figures skipped", file=sys.stderr)
+    else:
+        with SlurmCluster() as cluster:
+            os.environ["SLURM_CONF"] = cluster.conf
+            for _ in range(a.runs):
+                runs.append(slurm_run(cluster, Where))
+    for _ in range(a.runs):
+        runs.append(process_run(Where))
+    metrics: dict[str, list[float]] = {}
+    for r in runs:
+        for k, v in r.items():
+            if v is not None:
+                metrics.setdefault(k, []).append(v)
+    for k, vs in metrics.items():
+        emit(k, round(statistics.median(vs), 3), "s", n=len(vs), runs=[round(v, 3) for v in vs],
+             machine=f"{os.cpu_count()} cores, shared")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+/**
+ * What the Mesh panel and the status bar show: the server's /monarch/meshes answer,
+ * fetched once a second while someone shows it, and not at all when nobody does.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+export interface IProc {
+  rank: number;
+  mesh: string;
+  host: string;
+  pid: number;
+  state: string;
+  actors: string[];
+  buffers: unknown;
+  cpu: number | null;
+  rss_mb: number | null;
+  gpu_util: number | null;
+  cpu_hist: number[];
+  rss_hist: number[];
+}
+
+export interface IMesh {
+  name: string;
+  alive: boolean;
+  persistent: boolean;
+  hosts: string[];
+  procs: IProc[];
+  lease_s: number | null;
+  detached_s: number;
+  gpu: boolean;
+}
+
+export interface IMeshes {
+  meshes: IMesh[];
+  kernel_mesh: string | null;
+  time: number;
+}
+
+export const PERIOD_MS = 1000; // never poll faster than this
+
+export async function api(path: string, init: RequestInit = {}): Promise<any> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'monarch', 'meshes', path);
+  const reply = await ServerConnection.makeRequest(url, init, settings);
+  if (!reply.ok) {
+    throw new Error(`${reply.status} ${await reply.text()}`);
+  }
+  return reply.json();
+}
+
+export function counts(m: IMesh): { procs: number; dead: number; paused: number } {
+  const dead = m.procs.filter(p => p.state === 'dead').length;
+  const paused = m.procs.filter(p => p.state.startsWith('paused')).length;
+  return { procs: m.procs.length, dead, paused };
+}
+
+export function leaseText(m: IMesh): string {
+  if (m.lease_s === null || m.lease_s === undefined) {
+    return 'no lease';
+  }
+  const left = Math.max(0, m.lease_s - (m.detached_s || 0));
+  return `lease ${Math.round(left / 60)} min`;
+}
+
+export function stateLabel(s: string): string {
+  if (s === 'in __cells__.run') {
+    return 'running cell';
+  }
+  if (s.startsWith('in __cells__.')) {
+    return 'busy (push/pull)';
+  }
+  if (s.startsWith('in ')) {
+    return `in endpoint ${s.slice(3)}`;
+  }
+  return s;
+}
+
+/** Fetches while at least one watcher wants it; tells every listener on each answer. */
+export class MeshModel {
+  data: IMeshes | null = null;
+  error = '';
+  kernelId: string | null = null;
+  private watchers = new Set<string>();
+  private listeners: Array<() => void> = [];
+  private timer: number | null = null;
+  private inFlight = false;
+
+  onChange(fn: () => void): void {
+    this.listeners.push(fn);
+  }
+
+  /** ``who`` shows the data now (true) or no longer (false). */
+  watch(who: string, on: boolean): void {
+    if (on) {
+      this.watchers.add(who);
+    } else {
+      this.watchers.delete(who);
+    }
+    if (this.watchers.size && this.timer === null) {
+      void this.refresh();
+      this.timer = window.setInterval(() => void this.refresh(), PERIOD_MS);
+    } else if (!this.watchers.size && this.timer !== null) {
+      window.clearInterval(this.timer);
+      this.timer = null;
+    }
+  }
+
+  async refresh(): Promise<void> {
+    if (this.inFlight || document.hidden) {
+      return;
+    }
+    this.inFlight = true;
+    try {
+      const q = this.kernelId ? `?kernel=${encodeURIComponent(this.kernelId)}` : '';
+      this.data = await api(q);
+      this.error = '';
+    } catch (e) {
+      this.error = String(e);
+    } finally {
+      this.inFlight = false;
+    }
+    this.listeners.forEach(fn => fn());
+  }
+
+  kernelMesh(): IMesh | null {
+    const d = this.data;
+    if (!d || !d.kernel_mesh) {
+      return null;
+    }
+    return d.meshes.find(m => m.name === d.kernel_mesh) ?? null;
+  }
+}

@@ -1,0 +1,262 @@
+"""Endpoints: ``mesh.method`` and its adverbs (call, call_one, choose, stream,
+broadcast), plus the small Futures and checks they share with mesh.py.
+
+A call is one signed message to each member's work inbox; the replies resolve a
+PendingCall in the runtime. Arguments are checked here so a bad one is named before
+anything is sent.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from . import wire
+from .errors import MeshGoneError
+from .future import Future
+from .runtime import PendingCall, Runtime, runtime
+from .shape import Extent
+from .values import ValueMesh
+
+if TYPE_CHECKING:
+    from .mesh import ActorMesh, ActorMeshState
+
+SPAWN_TIMEOUT_S = 120.0
+T = TypeVar("T")
+
+def _wait_initialized(am: ActorMeshState) -> None:
+    try:
+        am.initialized.get(SPAWN_TIMEOUT_S)
+    except Exception:
+        pass   # recorded in am.init_error by _on_initialized
+
+
+class Endpoint(Generic[T]):
+    """``mesh.method``: call it with an adverb (``call``, ``call_one``, ``choose``,
+    ``stream``, ``broadcast``)."""
+
+    __slots__ = ("_mesh", "_name", "_explicit")
+
+    def __init__(self, mesh: ActorMesh, name: str, explicit: bool = False):
+        self._mesh, self._name, self._explicit = mesh, name, explicit
+
+    def __call__(self, *a, **k):
+        raise TypeError(f"call an endpoint with an adverb: {self._name}.call(...) (all members, a "
+                        f"ValueMesh), .call_one(...) (a single member), .choose(...), .stream(...) "
+                        f"or .broadcast(...)")
+
+    def _send(self, ranks, extent, mode, args, kwargs, reply=True, port=None) -> PendingCall | None:
+        am = self._mesh._state
+        ps = am.proc_state
+        rt = runtime()
+        if rt._unhandled and rt.role == "controller":
+            rt.raise_unhandled()
+        if am.stopped:
+            raise MeshGoneError(f"actor mesh '{am.name}' was stopped")
+        init = am.initialized
+        if init is not None and not init.done() and threading.get_ident() != am.spawn_thread:
+            _wait_initialized(am)   # another thread's sends are not ordered after the spawn
+        am.used = True
+        if am.init_error is not None:
+            _consume_unhandled(rt, am.init_error)
+            raise am.init_error
+        refs = ps.check(ranks)
+        keys = [r.key for r in refs]
+        what = f"{am.name}.{self._name}"
+        if reply:
+            call_id, pending = rt.new_call(keys, extent, mode, what)
+        else:
+            call_id, pending = port or 0, None
+        method = EXPLICIT_PORT_MARK + self._name if self._explicit else self._name
+        msg = ("call", am.id, method, args, kwargs, rt.address, call_id, wire.SOURCES)
+        try:
+            frames = rt.pack(ps.key, msg, [r.work for r in refs])
+        except BaseException as e:
+            if reply:
+                rt.abandon(call_id)
+            _explain_unpicklable(e, args, kwargs, am.endpoints.get(self._name, (False, ()))[1], what)
+            raise
+        for ref in refs:
+            rt.send_frames(ref.work, frames)
+        if pending is not None:
+            _fail_if_dead(rt, keys, pending)
+        return pending
+
+    def call(self, *args, **kwargs) -> Future[ValueMesh[T]]:
+        """Every member; a Future of a ValueMesh shaped like the mesh."""
+        view = self._mesh._view
+        return self._send(view.ranks, view.extent, "mesh", args, kwargs).future
+
+    def call_one(self, *args, **kwargs) -> Future[T]:
+        view = self._mesh._view
+        if len(view) != 1:
+            raise ValueError(f"call_one needs a mesh of exactly 1 member; '{self._mesh.name}' has "
+                             f"{len(view)} ({view.describe()}). Slice it first, e.g. "
+                             f"mesh.slice({view.labels[0] if view.labels else 'gpus'}=0), or use call()")
+        return self._send(view.ranks, view.extent, "one", args, kwargs).future
+
+    def choose(self, *args, **kwargs) -> Future[T]:
+        """One member, the least busy (fewest calls of ours in flight)."""
+        rt = runtime()
+        ps = self._mesh._state.proc_state
+        live = [r for r in self._mesh._view.ranks if ps.procs[r].key not in rt.dead]
+        if not live:
+            ps.check(self._mesh._view.ranks)
+        out = rt.outstanding
+        best = min(live, key=lambda r: out.get(ps.procs[r].key, 0))
+        return self._send([best], Extent((), ()), "one", args, kwargs).future
+
+    def stream(self, *args, **kwargs) -> Stream[T]:
+        """Every member; yields a (done) Future per member as each reply arrives, as
+        Monarch's does (``for f in ep.stream(): f.get()``). ``.values()`` on it yields the
+        plain values instead (raising the first error)."""
+        view = self._mesh._view
+        return Stream(self._send(view.ranks, view.extent, "stream", args, kwargs), f"{self._mesh.name}."
+                      f"{self._name}")
+
+    def broadcast(self, *args, **kwargs) -> None:
+        """Every member, fire and forget. A raise fails that actor, as in Monarch: its
+        owner's ``__supervise__`` (or the controller's unhandled_fault_hook) gets it."""
+        view = self._mesh._view
+        self._send(view.ranks, view.extent, "mesh", args, kwargs, reply=False)
+
+    def _send_to_port(self, args, kwargs, port) -> None:
+        view = self._mesh._view
+        self._send(view.ranks, view.extent, "mesh", args, kwargs, reply=False, port=port)
+
+
+EXPLICIT_PORT_MARK = "!"   # method-name prefix: call it with a response port first (as_endpoint)
+
+
+class Stream(Generic[T]):
+    """What ``stream()`` returns: iterate for Futures (Monarch), ``values()`` for values."""
+
+    def __init__(self, pending: PendingCall, what: str):
+        self._pending, self._what = pending, what
+
+    def __iter__(self):
+        q = self._pending.queue
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            ok, value = item
+            yield _done(value, self._what) if ok else _failed(value, self._what)
+
+    def values(self):
+        for fut in self:
+            yield fut.get()
+
+
+class NotAnEndpoint:
+    """A public method of the actor that is not an ``@endpoint``: wrap it with
+    ``as_endpoint(mesh.method)`` to call it through the adverbs."""
+
+    def __init__(self, mesh: ActorMesh, name: str):
+        self._mesh, self._name = mesh, name
+
+    def __getattr__(self, adverb):
+        raise AttributeError(f"{self._mesh._state.class_name}.{self._name} is not an @endpoint; call it with "
+                             f"as_endpoint(mesh.{self._name}).{adverb}(...) or mark it @endpoint")
+
+    def __call__(self, *a, **k):
+        self.__getattr__("call")
+
+
+def as_endpoint(not_an_endpoint, *, propagate=None, explicit_response_port: bool = False) -> Endpoint:
+    """Monarch's ``as_endpoint(mesh.method)``: call a plain method of a spawned actor with the
+    adverbs (``.call()``, ``.call_one()``...)."""
+    if isinstance(not_an_endpoint, Endpoint):
+        return Endpoint(not_an_endpoint._mesh, not_an_endpoint._name, explicit_response_port)
+    if not isinstance(not_an_endpoint, NotAnEndpoint):
+        raise ValueError(f"as_endpoint() expects a method of a spawned actor mesh (mesh.method), got "
+                         f"{not_an_endpoint!r}")
+    return Endpoint(not_an_endpoint._mesh, not_an_endpoint._name, explicit_response_port)
+
+
+def _done(value, what: str) -> Future:
+    f: Future = Future(what)
+    f.set_result(value)
+    return f
+
+
+class _AppliedFuture(Future):
+    """A done Future that is also a coroutine object, for Monarch's ``async def`` methods
+    we apply at once (``asyncio.run(pm.logging_option(...))``, ``await``, ``.get()``)."""
+
+    __slots__ = ()
+
+    def send(self, _value):
+        raise StopIteration(self.get())
+
+    def throw(self, typ, val=None, tb=None):
+        raise typ if val is None else val
+
+    def close(self):
+        pass
+
+
+def _applied(what: str) -> Future:
+    f = _AppliedFuture(what)
+    f.set_result(None)
+    return f
+
+
+def _failed(error: BaseException, what: str) -> Future:
+    f: Future = Future(what)
+    f.set_exception(error)
+    return f
+
+
+def _consume_unhandled(rt: Runtime, err: BaseException) -> None:
+    """The error is raised to the user now: don't raise it again at the next interaction."""
+    try:
+        rt._unhandled.remove(err)
+    except ValueError:
+        pass
+
+
+def _fail_if_dead(rt: Runtime, keys, pending):
+    """A proc that died between our check and our send: fail its part now."""
+    dead = rt.dead
+    if dead:
+        for k in keys:
+            if k in dead:
+                pending.deliver(k, False, dead[k])
+
+
+def _init_params(cls) -> tuple:
+    from .actors import endpoint_signature
+
+    return endpoint_signature(cls.__init__)[1]
+
+
+def _pack_args(pack, msg, args, kwargs, params, what):
+    """Pickle ``msg``; if that fails, name the argument that cannot be sent and its type."""
+    try:
+        return pack(msg)
+    except Exception as e:
+        _explain_unpicklable(e, args, kwargs, params, what)
+        raise
+
+
+def _explain_unpicklable(e: BaseException, args, kwargs, params, what) -> None:
+    """After pickling failed: raise a TypeError naming the argument to blame and its type."""
+    if not isinstance(e, Exception):
+        return
+    named = [(params[i] if i < len(params) else f"#{i}", a) for i, a in enumerate(args)]
+    for name, value in [*named, *kwargs.items()]:
+        if not _picklable(value):
+            raise TypeError(f"{what}: argument {name!r} ({type(value).__module__}.{type(value).__qualname__}) "
+                            f"cannot be sent to the mesh: it cannot be pickled ({e}). Send plain data, "
+                            "tensors, or picklable objects instead") from None
+    raise TypeError(f"{what}: the message cannot be pickled: {e}") from e
+
+
+def _picklable(obj) -> bool:
+    try:
+        wire.dumps(obj)
+        return True
+    except Exception:
+        return False
+
+

@@ -1,0 +1,102 @@
+"""Jobs whose hosts are processes on this machine: ``ProcessJob`` and ``LocalJob``.
+
+``ProcessJob(meshes={"hosts": 2})`` starts one persistent host agent per host, each its
+own process (as Monarch's examples use local subprocess hosts to stand for machines), so
+a two-host program runs unchanged on a laptop. ``LocalJob()`` is what ``%mesh connect``
+does: one agent per mesh, dims without a "hosts" dim.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from ..launch.local import start_local_agent
+from .base import JobTrait, Progress
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ProcessJob(JobTrait):
+    """Each host a local agent process; the "allocation" is their pids."""
+
+    kind = "process"
+
+    def __init__(self, meshes: dict[str, int] | None = None, *, name: str | None = None,
+                 lease: float | None = None):
+        super().__init__(meshes or {"hosts": 1}, name=name, lease=lease)
+        self._popen: list = []
+
+    def _create(self, key: bytes, progress: Progress) -> list[dict]:
+        self._handle = {"id": f"local-{os.getpid()}-{int(time.time())}", "pids": []}
+        agents = []
+        total = sum(self._meshes.values())
+        for mesh, n in self._meshes.items():
+            for rank in range(n):
+                progress(f"starting host agent {len(agents) + 1}/{total}")
+                agent, proc = start_local_agent(key, name=f"{self.name}.{mesh}.{rank}", persistent=True,
+                                                lease=self.lease)
+                self._popen.append(proc)
+                self._handle["pids"].append(agent["pid"])
+                agents.append({**agent, "mesh": mesh, "rank": rank})
+        return agents
+
+    def _gone_reason(self) -> str | None:
+        dead = [p for p in (self._handle or {}).get("pids", []) if not _alive(p)]
+        if dead:
+            return f"host agent pid {', '.join(map(str, dead))} no longer runs"
+        return None
+
+    def _release(self) -> None:
+        pids = (self._handle or {}).get("pids", [])
+        for pid in pids:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGTERM)   # the agent stops its procs, then exits
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.02)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self._reap(wait=True)
+
+    def _reap(self, wait: bool = False) -> None:
+        for p in list(self._popen):
+            if (p.wait(2) if wait else p.poll()) is not None:
+                self._popen.remove(p)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "pids": (self._handle or {}).get("pids", [])}
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_popen"], d["_hosts"] = [], {}
+        return d
+
+
+class LocalJob(ProcessJob):
+    """One local agent per mesh name; its procs have only the per-host dims (as today's
+    ``%mesh connect`` and ``this_host()``)."""
+
+    kind = "local"
+    _local_dims = True
+
+    def __init__(self, hosts: tuple[str, ...] | list[str] = ("hosts",), *, name: str | None = None,
+                 lease: float | None = None):
+        if isinstance(hosts, str):
+            hosts = (hosts,)
+        self._names = tuple(hosts)
+        super().__init__({h: 1 for h in self._names}, name=name, lease=lease)
+
+    def spec(self) -> dict:
+        return {"hosts": list(self._names)}

@@ -1,0 +1,88 @@
+"""Where a job's agents report in: a signed PULL socket on the controller.
+
+Each node (``job/node.py``) pushes one JSON report, its HMAC under the job's key beside
+it; reports with a wrong signature or another job's token are dropped. Reports carry no
+secret, only where an agent listens, so the key never crosses the network.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+
+import zmq
+
+log = logging.getLogger("monarch_kernel.job")
+
+
+def route_ip(target: str) -> str:
+    """The local address the kernel would use to reach ``target`` (no packet is sent)."""
+    try:
+        target = socket.gethostbyname(target)
+    except OSError:
+        pass
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((target, 9))
+        except OSError as e:
+            raise OSError(f"no route from this machine to {target}: {e}; set MONARCH_KERNEL_BIND to the "
+                          "local address the job's hosts can reach") from None
+        return s.getsockname()[0]
+
+
+def controller_ip(towards: str) -> str:
+    """The address the controller listens on for a job whose hosts sit at ``towards``."""
+    return os.environ.get("MONARCH_KERNEL_BIND") or route_ip(towards)
+
+
+def _sign(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+
+
+def send_report(addr: str, key: bytes, report: dict, timeout: float = 30.0) -> None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, int(timeout * 1000))
+    s.connect(addr)
+    body = json.dumps(report).encode()
+    s.send_multipart([body, _sign(key, body)])
+    s.close()
+
+
+class Rendezvous:
+    """The controller end: bind on ``host``, collect the reports of one job (``token``)."""
+
+    def __init__(self, host: str, key: bytes, token: str):
+        self.key, self.token = key, token
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 65536)
+        self.sock.bind(f"tcp://{host}:*")
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def poll(self, timeout: float) -> list[dict]:
+        """Reports that arrived within ``timeout`` seconds (maybe none)."""
+        out = []
+        if not self.sock.poll(int(timeout * 1000)):
+            return out
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart()
+            if len(frames) != 2 or not hmac.compare_digest(_sign(self.key, frames[0]), frames[1]):
+                log.warning("dropped an unsigned or badly signed report at %s", self.address)
+                continue
+            try:
+                rep = json.loads(frames[0])
+            except ValueError:
+                continue
+            if isinstance(rep, dict) and rep.get("token") == self.token:
+                out.append(rep)
+        return out
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,201 @@
+"""``SlurmJob``: one ``sbatch`` allocation holding every mesh; ``srun`` starts one host
+agent per node inside it (``python -m monarch_kernel.job.node``).
+
+The batch script goes to ``sbatch`` on stdin and the mesh key in its environment (Slurm
+keeps a job's environment readable only by its owner and root), never on a command line.
+Each node's agent reports its address to the kernel's rendezvous, so nothing needs a
+shared file system. The kernel listens on the local address that routes to the
+partition's nodes (``MONARCH_KERNEL_BIND`` overrides). While waiting, the progress line
+says what ``squeue`` says; an interrupt or ``job_start_timeout`` cancels the request.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+
+from ..core.runtime import runtime
+from .base import JobError, JobGoneError, JobTrait, Progress
+from .rendezvous import Rendezvous, controller_ip
+
+_RUNNING = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"}
+_WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING"}
+# Pending reasons Slurm keeps a job for although it can never start it as asked (on a
+# cluster without EnforcePartLimits, sbatch accepts such a job): fail at once instead.
+_NEVER = {"PartitionConfig", "PartitionNodeLimit", "BadConstraints", "InvalidAccount", "InvalidQOS",
+          "PartitionDown", "PartitionInactive", "AssocMaxNodesPerJobLimit", "QOSMaxNodePerJobLimit"}
+
+
+def _run(args: list[str], *, input: str | None = None, env: dict | None = None,
+         timeout: float = 30.0) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(args, input=input, capture_output=True, text=True, env=env, timeout=timeout)
+    except FileNotFoundError:
+        raise JobError(f"{args[0]} is not installed here: a SlurmJob runs where the Slurm client tools "
+                       "(sbatch, squeue, scancel) are, e.g. a login node") from None
+
+
+class SlurmJob(JobTrait):
+    """``SlurmJob(meshes={"trainers": 2}, partition="gpu", gpus_per_node=8, time_limit="2:00:00")``."""
+
+    kind = "slurm"
+
+    def __init__(self, meshes: dict[str, int], python_exe: str = sys.executable, slurm_args=(),
+                 job_name: str | None = None, time_limit: str | None = None, partition: str | None = None,
+                 gpus_per_node: int | None = None, cpus_per_task: int | None = None, mem: str | None = None,
+                 account: str | None = None, qos: str | None = None, log_dir: str | None = None,
+                 job_start_timeout: float | None = None, *, name: str | None = None, lease: float | None = None):
+        if isinstance(slurm_args, str):
+            slurm_args = shlex.split(slurm_args)
+        self.python_exe = python_exe
+        self.slurm_args = list(slurm_args)
+        self.job_name, self.time_limit, self.partition = job_name, time_limit, partition
+        self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
+        self.account, self.qos, self.log_dir = account, qos, log_dir
+        self.job_start_timeout = job_start_timeout
+        super().__init__(meshes, name=name, lease=lease)
+
+    def spec(self) -> dict:
+        return {"meshes": self._meshes, "python_exe": self.python_exe, "slurm_args": self.slurm_args,
+                "job_name": self.job_name, "time_limit": self.time_limit, "partition": self.partition,
+                "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task, "mem": self.mem,
+                "account": self.account, "qos": self.qos, "log_dir": self.log_dir,
+                "job_start_timeout": self.job_start_timeout}
+
+    # ------------------------------------------------------------------ sbatch
+    def sbatch_args(self) -> list[str]:
+        total = sum(self._meshes.values())
+        args = ["sbatch", "--parsable", f"--job-name={self.job_name or self.name}", f"--nodes={total}",
+                "--ntasks-per-node=1"]
+        for flag, value in (("--time", self.time_limit), ("--partition", self.partition),
+                            ("--gpus-per-node", self.gpus_per_node), ("--cpus-per-task", self.cpus_per_task),
+                            ("--mem", self.mem), ("--account", self.account), ("--qos", self.qos)):
+            if value is not None:
+                args.append(f"{flag}={value}")
+        out = os.path.join(self.log_dir, "monarch-%j.out") if self.log_dir else "/dev/null"
+        return [*args, f"--output={out}", *self.slurm_args]
+
+    def batch_script(self, report: str, token: str) -> str:
+        node = [self.python_exe, "-m", "monarch_kernel.job.node", "--report", report, "--token", token,
+                "--lease", str(self.lease), "--name", self.name]
+        return ("#!/bin/sh\n# monarch-kernel: one host agent per node; the job ends when they do.\n"
+                f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(node)}\n")
+
+    def _create(self, key: bytes, progress: Progress) -> list[dict]:
+        total = sum(self._meshes.values())
+        ip = controller_ip(self._node_address())
+        if ip != "127.0.0.1":
+            runtime().listen_on(ip)
+        token = secrets.token_hex(8)
+        rv = Rendezvous(ip, key, token)
+        try:
+            env = dict(os.environ, MONARCH_KERNEL_KEY=key.hex())
+            r = _run(self.sbatch_args(), input=self.batch_script(rv.address, token), env=env)
+            if r.returncode != 0:
+                raise JobError(f"sbatch refused job {self.name!r}: {r.stderr.strip() or r.stdout.strip()}")
+            job_id = r.stdout.strip().split(";")[0]
+            self._handle = {"id": job_id}
+            progress(f"slurm job {job_id}: submitted")
+            return self._wait_for_agents(rv, total, progress)
+        finally:
+            rv.close()
+
+    def _wait_for_agents(self, rv: Rendezvous, total: int, progress: Progress) -> list[dict]:
+        start = time.monotonic()
+        reports: dict[int, dict] = {}
+        last_check, last_line, st = 0.0, "", {}
+        while len(reports) < total:
+            for rep in rv.poll(0.1):
+                if rep.get("error"):
+                    raise JobError(f"slurm job {self.job_id}: {rep['error']}")
+                reports[int(rep["rank"])] = rep
+            now = time.monotonic()
+            if now - last_check >= 0.5 or not st:
+                last_check = now
+                st = self._squeue()
+                if st is None:
+                    raise JobGoneError(f"slurm job {self.job_id} ended before its agents started (see its log: "
+                                       f"{self.log_dir or 'pass log_dir= to keep one'})")
+                if st["state"] not in _RUNNING | _WAITING:
+                    raise JobGoneError(f"slurm job {self.job_id} is {st['state']} ({st['reason']}) before its "
+                                       "agents started")
+            if st["state"] in _WAITING and st["reason"] in _NEVER:
+                raise JobError(f"slurm job {self.job_id} cannot start as asked ({st['reason']}: more nodes, time or "
+                               "resources than the partition allows?); it was cancelled")
+            if st["state"] in _WAITING:
+                why = f" ({st['reason']})" if st["reason"] not in ("", "None") else ""
+                line = f"slurm job {self.job_id}: queued{why}"
+                waited = now - start
+                if self.job_start_timeout is not None and waited > self.job_start_timeout:
+                    raise JobError(f"slurm job {self.job_id} was still pending after {self.job_start_timeout:g} s "
+                                   f"({st['reason']}); it was cancelled. Raise job_start_timeout or ask for "
+                                   "fewer or other nodes")
+            else:
+                line = f"slurm job {self.job_id}: running on {st['nodes']}; nodes up {len(reports)}/{total}"
+            if line != last_line:
+                progress(line)
+                last_line = line
+        agents = []
+        ranks = sorted(reports)
+        for mesh, n in self._meshes.items():
+            for i in range(n):
+                rep = reports[ranks[len(agents)]]
+                agents.append({"addr": rep["addr"], "host": rep["host"], "pid": rep["pid"], "mesh": mesh,
+                               "rank": i})
+        return agents
+
+    def _node_address(self) -> str:
+        """An address of one of the partition's nodes: the kernel listens where it routes."""
+        if os.environ.get("MONARCH_KERNEL_BIND"):
+            return os.environ["MONARCH_KERNEL_BIND"]
+        r = _run(["sinfo", "-h", "-N", "-o", "%o", *([f"--partition={self.partition}"] if self.partition else [])])
+        addrs = r.stdout.split() if r.returncode == 0 else []
+        if not addrs:   # no such partition: any node will do; sbatch then says what is wrong
+            r = _run(["sinfo", "-h", "-N", "-o", "%o"])
+            addrs = r.stdout.split() if r.returncode == 0 else []
+        if not addrs:
+            raise JobError(f"sinfo lists no Slurm nodes ({r.stderr.strip() or 'none'}); is the cluster up? "
+                           "Set MONARCH_KERNEL_BIND to this machine's address on the cluster network")
+        return addrs[0]
+
+    # ------------------------------------------------------------------ squeue / scancel
+    def _squeue(self) -> dict | None:
+        """The job as squeue sees it, or None when Slurm no longer knows it."""
+        r = _run(["squeue", "-h", "-j", str(self.job_id), "-o", "%T|%r|%N|%L"])
+        line = r.stdout.strip().splitlines()
+        if r.returncode != 0 or not line:
+            return None
+        state, reason, nodes, left = (line[0].split("|") + ["", "", "", ""])[:4]
+        return {"state": state, "reason": reason, "nodes": nodes, "time_left": left}
+
+    def _gone_reason(self) -> str | None:
+        st = self._squeue()
+        if st is None:
+            return f"slurm job {self.job_id} has ended (squeue no longer lists it)"
+        if st["state"] not in _RUNNING:
+            return f"slurm job {self.job_id} is {st['state']}" + (f" ({st['reason']})" if st["reason"] not in
+                                                                   ("", "None") else "")
+        return None
+
+    def _release(self) -> None:
+        if not self.job_id:
+            return
+        r = _run(["scancel", str(self.job_id)])
+        if r.returncode != 0 and "Invalid job id" not in r.stderr:
+            raise JobError(f"scancel {self.job_id} failed: {r.stderr.strip()}")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            st = self._squeue()
+            if st is None or st["state"] not in _RUNNING | _WAITING:
+                return
+            time.sleep(0.05)
+        raise JobError(f"slurm job {self.job_id} still {st['state']} 10 s after scancel")
+
+    def describe(self) -> dict:
+        st = self._squeue() if self.job_id else None
+        return {"scheduler": "slurm", "id": self.job_id, "hosts": len(self._agents),
+                "state": st["state"] if st else "gone", "nodes": st["nodes"] if st else "",
+                "time left": st["time_left"] if st else ""}

@@ -1,0 +1,101 @@
+"""``%mesh connect`` on a cluster: which job the flags ask for, and the scheduler's progress.
+
+    %mesh connect NAME --job VAR                      a job object from the notebook
+    %mesh connect NAME --slurm "-N 2 -p gpu --gpus-per-node 8"
+
+The job is named after the mesh, so re-running the cell in a restarted kernel finds the
+job cached under that name and re-attaches (same job id, procs and actors).
+"""
+from __future__ import annotations
+
+import shlex
+
+from IPython.core.error import UsageError
+
+
+def job_from_args(user_ns: dict, args, lease: float | None):
+    """The job the connect flags describe, or None for a local mesh."""
+    from ..job import JobTrait
+    from .session import default_mesh_name
+
+    name = args.name or default_mesh_name()
+    if getattr(args, "job", None):
+        job = user_ns.get(args.job)
+        if job is None:
+            raise UsageError(f"%mesh connect --job {args.job}: no variable {args.job!r} in the notebook; make one, "
+                             "e.g. job = SlurmJob(meshes={'hosts': 2}) from monarch_kernel.job")
+        if not isinstance(job, JobTrait):
+            raise UsageError(f"%mesh connect --job {args.job}: {args.job!r} is a {type(job).__name__}, not a job "
+                             "from monarch_kernel.job (SlurmJob, ProcessJob, ...)")
+        return job
+    if getattr(args, "slurm", None) is not None:
+        from ..job import SlurmJob
+
+        nodes, rest = _nodes_from_sbatch_args(args.slurm)
+        return SlurmJob(meshes={"hosts": nodes}, slurm_args=rest, name=name, lease=lease)
+    return None
+
+
+def _nodes_from_sbatch_args(text: str) -> tuple[int, list[str]]:
+    """``-N 2 -p gpu`` -> (2, ["-p", "gpu"]): the node count becomes the mesh's hosts."""
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise UsageError(f"%mesh connect --slurm {text!r}: {e}") from None
+    nodes, rest, i = 1, [], 0
+    while i < len(words):
+        w = words[i]
+        value = None
+        if w in ("-N", "--nodes"):
+            if i + 1 >= len(words):
+                raise UsageError(f"%mesh connect --slurm: {w} needs a node count")
+            value, i = words[i + 1], i + 2
+        elif w.startswith("--nodes="):
+            value, i = w.split("=", 1)[1], i + 1
+        elif w.startswith("-N") and len(w) > 2:
+            value, i = w[2:], i + 1
+        else:
+            rest.append(w)
+            i += 1
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise UsageError(f"%mesh connect --slurm: the node count must be a number like -N 2, got {value!r} "
+                             "(ranges such as 2-4 are not supported: a mesh has a fixed size)")
+        nodes = int(value)
+    return nodes, rest
+
+
+def job_progress():
+    """A one-line progress display the scheduler's news replaces in place (plain text, so
+    it stays readable in a saved notebook); printed lines outside a kernel."""
+    from IPython import get_ipython
+    from IPython.display import display
+
+    shell = get_ipython()
+    state: dict = {}
+
+    def update(text: str) -> None:
+        if shell is None or getattr(shell, "kernel", None) is None:
+            print(text, flush=True)
+            return
+        handle = state.get("handle")
+        if handle is None:
+            state["handle"] = display({"text/plain": text}, raw=True, display_id=True)
+        else:
+            handle.update({"text/plain": text}, raw=True)
+
+    return update
+
+
+def describe_job(job) -> str:
+    """``slurm job 12 (RUNNING on n[1-2], time left 59:40)`` for ``%mesh status``."""
+    try:
+        d = job.describe()
+    except Exception as e:   # the scheduler may be unreachable; status still shows the procs
+        return f"{job.kind} job {job.job_id} (state unknown: {e})"
+    extra = [d[k] for k in ("state",) if d.get(k)]
+    if d.get("nodes"):
+        extra.append(f"on {d['nodes']}")
+    if d.get("time left"):
+        extra.append(f"time left {d['time left']}")
+    return f"{d.get('scheduler', job.kind)} job {d.get('id')}" + (f" ({' '.join(extra)})" if extra else "")

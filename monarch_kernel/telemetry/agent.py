@@ -1,0 +1,163 @@
+"""The host agent's telemetry: samples, proc events, call and cell records, log search.
+
+The agent is the store of record for its host: it keeps the last ``HISTORY_S`` seconds
+(an hour by default) in memory, so a controller that attaches later, or a kernel that
+restarts, still sees what happened. Nothing is pushed: a controller that looks (a query,
+``%mesh top``, the Mesh panel) asks ``tel_since(cursor)`` and gets, in one batch per
+host, every row after its cursor. Nobody looking costs nothing but the sampling.
+
+Everything here runs on the agent's single poll-loop thread (``tick`` is called from it,
+``handle`` serves the ``tel_*`` ops), except the log search, which may read gigabytes
+and so runs on a helper thread; its answer is sent from the loop by the next ``tick``.
+The agent's calls into this module are one line each, so its loop stays readable.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+
+from .logs import log_dir, log_path, search
+from .sampler import ProcSampler
+
+log = logging.getLogger("monarch_kernel.telemetry")
+
+HISTORY_S = float(os.environ.get("MONARCH_KERNEL_TELEMETRY_HISTORY_S", "3600"))
+MAX_ROWS = 200_000          # per table, whatever the history says
+TABLES = ("samples", "proc_events", "calls", "cells")
+
+
+class AgentTelemetry:
+    def __init__(self, agent):
+        self.agent = agent
+        self.interval = float(os.environ.get("MONARCH_KERNEL_TELEMETRY_S", "1.0"))   # 0: off
+        self.sampler = ProcSampler(agent.host)
+        self.seq = itertools.count(1)
+        self.tables: dict[str, collections.deque] = {t: collections.deque(maxlen=MAX_ROWS) for t in TABLES}
+        self.next_sample = 0.0
+        self.respawning: set[str] = set()
+        self.status: dict[str, dict] = {}   # proc key -> what it reported at the last pull
+        self.searches: queue.SimpleQueue = queue.SimpleQueue()   # (ident, req, ok, answer) from helper threads
+        self.log_dir = log_dir(agent.name)
+
+    # ------------------------------------------------------------------ called by the agent
+    def proc_config(self, mesh: str, rank: int) -> dict:
+        """Added to a proc's fork config: where its output is also written."""
+        return {"log_path": str(log_path(self.agent.name, mesh, rank))}
+
+    def expect_respawn(self, keys) -> None:
+        self.respawning.update(keys)
+
+    def proc_ready(self, p) -> None:
+        if self.interval <= 0:
+            self.agent.send(p.ident, ("ev", "tel_enable", False))
+        event = "respawned" if p.key in self.respawning else "spawned"
+        self.respawning.discard(p.key)
+        self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, p.pid, event, p.key))
+
+    def proc_exited(self, p, pid: int, how: str, stopping: bool) -> None:
+        self.sampler.forget(pid)
+        self.status.pop(p.key, None)
+        self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, pid,
+                                  "stopped" if stopping else "died", how))
+
+    def tick(self, now: float) -> None:
+        while True:
+            try:
+                ident, req, ok, answer = self.searches.get_nowait()
+            except queue.Empty:
+                break
+            self.agent.reply(ident, req, ok, answer)
+        if self.interval <= 0 or now < self.next_sample:
+            return
+        self.next_sample = now + self.interval
+        alive = [p for p in self.agent.procs.values() if p.state == "alive" and p.pid]
+        for s in self.sampler.sample([(p.mesh_name, p.rank, p.pid) for p in alive]):
+            self._add("samples", tuple(s))
+        for p in alive:   # the procs send their call records back as a tel_calls op
+            self.agent.send(p.ident, ("ev", "tel_pull"))
+        self._expire(time.time() - HISTORY_S)
+
+    def shutdown(self) -> None:
+        """A private (non-persistent) mesh's logs go with it; a named mesh's stay."""
+        if not self.agent.persistent:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ ops (tel_*)
+    def handle(self, op: str, ident: bytes, req: int, *args) -> None:
+        getattr(self, "op_" + op)(ident, req, *args)
+
+    def op_tel_since(self, ident, req, cursor: int = 0) -> None:
+        """Every row after ``cursor``, by table, and the new cursor."""
+        out = {}
+        for name, rows in self.tables.items():
+            new = []
+            for seq, row in reversed(rows):
+                if seq <= cursor:
+                    break
+                new.append(row)
+            new.reverse()
+            out[name] = new
+        self.agent.reply(ident, req, True, {"cursor": self._last_seq(), "rows": out, "host": self.agent.host,
+                                            "agent": self.agent.name, "gpu": self.sampler.gpu.available,
+                                            "interval": self.interval, **self.now()})
+
+    def now(self) -> dict:
+        """The host's procs as they are now, and its lease (the Mesh panel, the status bar)."""
+        a = self.agent
+        procs = []
+        for p in a.procs.values():
+            st = dict(self.status.get(p.key, {}))
+            st.setdefault("state", "idle" if p.state == "alive" else p.state)
+            if p.state != "alive":
+                st["state"] = p.state   # dead, starting or stopping: the agent knows best
+            procs.append({"key": p.key, "mesh": p.mesh_name, "rank": p.rank, "pid": p.pid, **st})
+        detached = time.monotonic() - a.controller_seen if a.controller is None else 0.0
+        return {"procs": procs, "lease": a.lease, "detached_s": detached, "persistent": a.persistent,
+                "controller": a.controller_addr}
+
+    def op_tel_config(self, ident, req, interval: float) -> None:
+        """Sampling period in seconds; 0 turns sampling (and call-record collection) off."""
+        self.interval = float(interval)
+        self.next_sample = 0.0
+        for p in self.agent.procs.values():   # procs record calls only while someone collects them
+            if p.state == "alive" and p.ident is not None:
+                self.agent.send(p.ident, ("ev", "tel_enable", self.interval > 0))
+        self.agent.reply(ident, req, True, None)
+
+    def op_tel_calls(self, ident, req, calls: list, cells: list, key: str = "", status: dict | None = None) -> None:
+        """A proc's call and cell records since its last report, and its status now (fire
+        and forget)."""
+        if key in self.agent.procs and status is not None:
+            self.status[key] = status
+        for row in calls:
+            self._add("calls", (*row[:1], self.agent.host, *row[1:]))
+        for row in cells:
+            self._add("cells", (*row[:1], self.agent.host, *row[1:]))
+
+    def op_tel_logs(self, ident, req, mesh, ranks, grep, tail, since) -> None:
+        """Search this host's proc logs on a helper thread; the loop sends the answer."""
+        def run():
+            try:
+                ans = search(self.log_dir, mesh, None if ranks is None else set(ranks), grep, tail, since)
+                self.searches.put((ident, req, True, ans))
+            except Exception as e:
+                self.searches.put((ident, req, False, e))
+        threading.Thread(target=run, name="log-search", daemon=True).start()
+
+    # ------------------------------------------------------------------ history
+    def _add(self, table: str, row: tuple) -> None:
+        self.tables[table].append((next(self.seq), row))
+
+    def _last_seq(self) -> int:
+        return max((rows[-1][0] for rows in self.tables.values() if rows), default=0)
+
+    def _expire(self, oldest: float) -> None:
+        for rows in self.tables.values():
+            while rows and rows[0][1][0] < oldest:
+                rows.popleft()

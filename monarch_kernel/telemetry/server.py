@@ -1,0 +1,162 @@
+"""The Jupyter server side of the Mesh panel: meshes on this machine, their procs, logs.
+
+A jupyter_server extension (enabled by ``jupyter_server_config.d/monarch_kernel.json``):
+
+  GET  /monarch/meshes[?kernel=ID]     every mesh with a connection file here (any kernel's or
+                                       script's), its hosts, procs, state, figures, sparklines,
+                                       and which one the kernel ID is attached to
+  GET  /monarch/meshes/NAME/logs?tail=N&grep=RE    its procs' log lines, newest last
+  POST /monarch/meshes/NAME/stop       stop its procs and agents
+
+It reads the agents the way a controller does (the key from the connection file) but never
+attaches: it asks ``tel_since`` and ``tel_logs``, which any holder of the key may ask, so a
+notebook attached to the mesh keeps it. The panel asks once a second while it is shown,
+and not at all when it is hidden.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from .store import store
+
+SPARK_S = 60.0
+ASK_TIMEOUT_S = 3.0
+_CONTROLLER_PID = re.compile(r"monarch-kernel-(\d+)-inbox")   # core.runtime.ipc_name("inbox")
+
+
+def _meshes() -> list[dict]:
+    from monarch_kernel.core.connection import list_meshes
+
+    return [{"name": name, "info": info, "alive": alive} for name, info, alive in list_meshes()]
+
+
+def _ask(info: dict, op: str, *args, timeout: float = ASK_TIMEOUT_S, per_agent=None) -> dict:
+    """``op`` to every agent of a mesh, all at once: {address: answer or exception}.
+    ``per_agent(address)``: the arguments for that agent, when they differ."""
+    from monarch_kernel.core.runtime import runtime
+
+    rt = runtime()
+    key = bytes.fromhex(info["key"])
+    futs = {a["addr"]: rt.agent_request(a["addr"], key, op, *(per_agent(a["addr"]) if per_agent else args))
+            for a in info.get("agents", [])}
+    out = {}
+    for addr, f in futs.items():
+        try:
+            out[addr] = f.get(timeout)
+        except Exception as e:   # an agent that stopped between the listing and now
+            out[addr] = e
+    return out
+
+
+def describe_mesh(name: str, info: dict, alive: bool) -> dict:
+    mesh = {"name": name, "alive": alive, "persistent": info.get("persistent", False), "hosts": [],
+            "procs": [], "lease_s": info.get("lease"), "detached_s": 0.0, "controller_pids": [], "gpu": False}
+    if not alive:
+        return mesh
+    st = store()
+    answers = _ask(info, "tel_since", per_agent=lambda addr: (st.cursors.get(addr, 0),))
+    for addr, ans in answers.items():
+        if isinstance(ans, Exception):
+            continue
+        st.insert(addr, ans)
+        mesh["hosts"].append(ans["host"])
+        mesh["lease_s"] = ans.get("lease")
+        mesh["detached_s"] = max(mesh["detached_s"], ans.get("detached_s") or 0.0)
+        mesh["gpu"] = mesh["gpu"] or bool(ans.get("gpu"))
+        ctl = json.dumps(ans.get("controller"))
+        mesh["controller_pids"] += [int(m) for m in _CONTROLLER_PID.findall(ctl)]
+        latest = _latest(ans["agent"])
+        for p in ans["procs"]:
+            s = latest.get((p["mesh"], p["rank"]), {})
+            alive_p = p["state"] not in ("dead", "stopping")
+            mesh["procs"].append({
+                "rank": p["rank"], "mesh": p["mesh"], "host": ans["host"], "pid": p["pid"], "state": p["state"],
+                "actors": [a for a in p.get("actors", []) if a != "__cells__"], "buffers": p.get("buffers"),
+                "cpu": s.get("cpu") if alive_p else None, "rss_mb": s.get("rss") if alive_p else None,
+                "gpu_util": s.get("gpu_util") if alive_p else None,
+                "cpu_hist": s.get("cpu_hist", []), "rss_hist": s.get("rss_hist", [])})
+    mesh["procs"].sort(key=lambda p: (p["mesh"], p["rank"]))
+    return mesh
+
+
+def _latest(agent: str) -> dict:
+    rows = store().query("select mesh, rank, cpu_percent, rss_mb, gpu_util, time from samples where agent = ? "
+                         "and time > ? order by time", (agent, time.time() - SPARK_S))
+    out: dict = {}
+    for mesh, rank, cpu, rss, gpu, _t in rows:
+        d = out.setdefault((mesh, rank), {"cpu_hist": [], "rss_hist": []})
+        d["cpu_hist"].append(round(cpu, 1))
+        d["rss_hist"].append(round(rss, 1))
+        d.update(cpu=cpu, rss=rss, gpu_util=gpu)
+    return out
+
+
+def _kernel_pid(server, kernel_id: str | None) -> int | None:
+    if not kernel_id:
+        return None
+    try:
+        km = server.kernel_manager.get_kernel(kernel_id)
+        return km.provisioner.pid if km.provisioner is not None else None
+    except Exception:
+        return None
+
+
+class MeshesHandler(APIHandler):
+    @web.authenticated
+    async def get(self):
+        meshes = _meshes()
+        described = await asyncio.to_thread(lambda: [describe_mesh(m["name"], m["info"], m["alive"])
+                                                     for m in meshes])
+        pid = _kernel_pid(self.settings.get("serverapp") or self, self.get_argument("kernel", None))
+        mine = next((m["name"] for m in described if pid and pid in m["controller_pids"]), None)
+        self.finish(json.dumps({"meshes": described, "kernel_mesh": mine, "time": time.time()}))
+
+
+class LogsHandler(APIHandler):
+    @web.authenticated
+    async def get(self, name: str):
+        m = next((m for m in _meshes() if m["name"] == name), None)
+        if m is None or not m["alive"]:
+            raise web.HTTPError(404, f"no running mesh named {name!r}")
+        tail = int(self.get_argument("tail", "200"))
+        grep = self.get_argument("grep", None) or None
+        answers = await asyncio.to_thread(_ask, m["info"], "tel_logs", None, None, grep, tail, None,
+                                          timeout=60.0)
+        lines = []
+        for ans in answers.values():
+            if not isinstance(ans, Exception):
+                lines += [{"time": ln.time, "mesh": ln.mesh, "rank": ln.rank, "stream": ln.stream, "text": ln.text}
+                          for ln in ans["lines"]]
+        lines.sort(key=lambda ln: ln["time"])
+        self.finish(json.dumps({"lines": lines[-tail:]}))
+
+
+class StopHandler(APIHandler):
+    @web.authenticated
+    async def post(self, name: str):
+        m = next((m for m in _meshes() if m["name"] == name), None)
+        if m is None:
+            raise web.HTTPError(404, f"no mesh named {name!r}")
+        await asyncio.to_thread(_ask, m["info"], "shutdown", timeout=10.0)
+        self.finish(json.dumps({"stopped": name}))
+
+
+def _load_jupyter_server_extension(server) -> None:
+    base = url_path_join(server.web_app.settings["base_url"], "monarch", "meshes")
+    server.web_app.add_handlers(".*$", [
+        (base, MeshesHandler),
+        (url_path_join(base, r"([^/]+)", "logs"), LogsHandler),
+        (url_path_join(base, r"([^/]+)", "stop"), StopHandler),
+    ])
+    server.log.info("monarch_kernel: Mesh panel API at %s", base)
+
+
+def _jupyter_server_extension_points():
+    return [{"module": "monarch_kernel.telemetry.server"}]

@@ -1,0 +1,110 @@
+"""ProcessJob and LocalJob: the job interface with hosts that are local processes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+from monarch_kernel.actor import Actor, endpoint
+from monarch_kernel.core.connection import connection_path as job_path
+from monarch_kernel.job import JobError, JobGoneError, LocalJob, ProcessJob
+
+ROOT = Path(__file__).resolve().parents[1]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Pid(Actor):
+    def __init__(self):
+        self.calls = 0
+
+    @endpoint
+    def pid(self) -> tuple:
+        self.calls += 1
+        return os.getpid(), self.calls
+
+
+def _agent_pids(job) -> list[int]:
+    return [a["pid"] for a in job._agents]
+
+
+def test_process_job_hosts_are_separate_agents_and_a_new_process_reattaches_to_the_same_actors(tmp_path):
+    job = ProcessJob(meshes={"hosts": 2})
+    try:
+        state = job.state()
+        assert len(set(_agent_pids(job))) == 2
+        procs = state.hosts.spawn_procs(per_host={"gpus": 1})
+        assert procs.sizes == {"hosts": 2, "gpus": 1}
+        first = procs.spawn("pids", Pid).pid.call().get(timeout=30).values()
+        saved = job.dump(tmp_path / "job.json")
+        assert oct(os.stat(saved).st_mode & 0o777) == "0o600"
+        job.disconnect()
+        code = ("import json, sys; from monarch_kernel.job import job_load\n"
+                "job = job_load(sys.argv[1])\n"
+                "pm = job.state().hosts.proc_mesh('procs')\n"
+                "print(json.dumps(pm.actor_mesh('pids').pid.call().get(timeout=20).values()))\n"
+                "job.disconnect()\n")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+        out = subprocess.run([sys.executable, "-c", code, str(saved)], capture_output=True, text=True,
+                             timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        again = [tuple(v) for v in json.loads(out.stdout.strip().splitlines()[-1])]
+        assert again == [(pid, n + 1) for pid, n in first]
+    finally:
+        pids = _agent_pids(job)
+        job.kill()
+    assert not [p for p in pids if _running(p)]
+    assert not job.active and not os.path.exists(job_path(job.name))
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_process_job_whose_agents_died_is_reported_gone_and_renewed_only_when_asked():
+    job = ProcessJob(meshes={"hosts": 1}, name="gone-test")
+    try:
+        job.state()
+        for pid in _agent_pids(job):
+            os.kill(pid, 9)
+        while any(_running(p) for p in _agent_pids(job)):
+            time.sleep(0.01)
+        with pytest.raises(JobGoneError, match="process job 'gone-test' .* is gone: host agent pid"):
+            ProcessJob(meshes={"hosts": 1}, name="gone-test").state()
+        fresh = ProcessJob(meshes={"hosts": 1}, name="gone-test")
+        fresh.state(renew=True).hosts.spawn_procs(per_host={"gpus": 1})
+        fresh.kill()
+    finally:
+        job.kill()
+
+
+def test_local_job_has_the_per_host_dims_of_this_host():
+    job = LocalJob(name="local-job-test")
+    try:
+        procs = job.state().hosts.spawn_procs(per_host={"gpus": 2})
+        assert procs.sizes == {"gpus": 2}
+    finally:
+        job.kill()
+
+
+def test_bad_job_specs_say_what_is_wrong():
+    with pytest.raises(ValueError, match=r"meshes\['hosts'\] must be a positive number of hosts, got 0"):
+        ProcessJob(meshes={"hosts": 0})
+    with pytest.raises(ValueError, match="mesh name '2x' must be an identifier"):
+        ProcessJob(meshes={"2x": 1})
+    job = ProcessJob(meshes={"hosts": 1}, name="spec-clash")
+    try:
+        job.state()
+        with pytest.raises(JobError, match="cached with another spec"):
+            ProcessJob(meshes={"hosts": 2}, name="spec-clash").state()
+    finally:
+        job.kill()

@@ -1,0 +1,107 @@
+"""``%mesh connect --slurm`` end to end: a real kernel (jupyter_client) on a real two-node
+Slurm cluster (tests/slurm_cluster.py). Skipped with the reason where Slurm cannot run."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from kernel_harness import KernelHarness
+from slurm_cluster import cluster_fixture
+
+CONNECT = '%mesh connect train --slurm "-N 2" --procs 2'
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from cluster_fixture()
+
+
+@pytest.fixture(scope="module")
+def k(cluster):
+    h = KernelHarness(env={"SLURM_CONF": cluster.conf})
+    try:
+        yield h
+    finally:
+        h.close(stop_meshes=("train",))
+    assert cluster.queue() == []
+
+
+def _texts(r) -> str:
+    return "\n".join(m["content"]["data"]["text/plain"] for m in r.outputs
+                     if m["msg_type"] in ("display_data", "update_display_data"))
+
+
+def test_connect_cell_gets_a_slurm_allocation_and_runs_cells_on_both_nodes(k, cluster):
+    r = k.ok(CONNECT, timeout=120)
+    m = re.search(r"mesh 'train': 4 procs \(hosts=2, gpus=2\) on slurm job (\d+) started", r.stdout)
+    assert m, r.stdout
+    assert "running on n[1-2]" in _texts(r)   # the progress line said what squeue said
+    k.job_id = m.group(1)
+    k.ok("%%on_mesh\nimport socket\nwhere = f'{socket.gethostname()} rank {rank}'")
+    assert "n2 rank 3" in k.ok("%%on_mesh\nwhere").stdout + k.ok("%%on_mesh\nwhere").result
+    status = k.ok("%mesh status")
+    assert f"slurm job {k.job_id} (RUNNING on n[1-2]" in status.stdout + _texts(status) + status.result
+
+
+def test_rerunning_the_connect_cell_after_a_restart_reattaches_to_the_same_job_and_state(k, cluster):
+    k.restart()
+    r = k.ok(CONNECT, timeout=60)
+    assert f"on slurm job {k.job_id} re-attached" in r.stdout, r.stdout
+    out = k.ok("%%on_mesh\nwhere")
+    assert "n1 rank 0" in out.stdout + out.result and "n2 rank 3" in out.stdout + out.result
+
+
+def test_disconnect_leaves_the_allocation_and_stop_releases_it(k, cluster):
+    k.ok("%mesh disconnect")
+    assert [line.split()[0] for line in cluster.queue()] == [k.job_id]
+    r = k.ok("%mesh stop train", timeout=60)
+    assert "stopped" in r.stdout
+    assert cluster.queue() == []
+
+
+def test_interrupting_a_queued_connect_cancels_the_request(k, cluster):
+    seen = []
+    msg_id = k.submit('%mesh connect later --slurm "-N 1 --begin=now+3600"')
+
+    def watch(msg):
+        seen.append(msg)
+        data = msg["content"].get("data", {}).get("text/plain", "")
+        if "queued (BeginTime)" in data:
+            k.km.interrupt_kernel()
+
+    r = k.wait(msg_id, timeout=60, on_output=watch)
+    assert r.status == "error" and r.reply["content"]["ename"] == "KeyboardInterrupt", r.reply["content"]
+    deadline = time.monotonic() + 10
+    while cluster.queue() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.queue() == []
+
+
+@pytest.mark.timeout(300)
+def test_the_slurm_notebook_runs_against_a_fresh_cluster_and_its_outputs_match(tmp_path):
+    """notebooks/slurm.ipynb under nbval (tests/test_notebooks.py runs the others): its own
+    cluster, so job ids start at 1 as when its outputs were stored."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kernel_harness import ensure_kernelspec
+    from slurm_cluster import SlurmCluster, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"no Slurm test cluster: {why}")
+    ensure_kernelspec()
+    root = Path(__file__).resolve().parents[1]
+    with SlurmCluster() as c:
+        env = {**os.environ, "MONARCH_KERNEL_PREWARM": "0", "SLURM_CONF": c.conf,
+               "MONARCH_KERNEL_HOME": str(tmp_path / "home")}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+               str(root / "notebooks" / "slurm.ipynb"), "--nbval-kernel-name", "monarch",
+               "--nbval-sanitize-with", str(root / "notebooks" / "sanitize.cfg"), "--nbval-cell-timeout", "120",
+               "--rootdir", str(tmp_path), "-o", "addopts="]
+        proc = subprocess.run(cmd, cwd=root / "notebooks", env=env, capture_output=True, text=True, timeout=280)
+        assert c.queue() == []
+    assert proc.returncode == 0, f"nbval failed on slurm.ipynb:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"

@@ -1,0 +1,138 @@
+"""SlurmJob against a real two-node Slurm cluster (tests/slurm_cluster.py): munged,
+slurmctld and two slurmds, each node its own network namespace, address and hostname.
+
+Skipped with the reason where root, namespaces or slurm-wlm are missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from slurm_cluster import cluster_fixture
+
+from monarch_kernel.actor import Actor, SupervisionError, endpoint
+from monarch_kernel.job import JobError, JobGoneError, SlurmJob
+
+ROOT = Path(__file__).resolve().parents[1]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the nodes need not import this file
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from cluster_fixture()
+
+
+class Counter(Actor):
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def bump(self) -> tuple:
+        import socket
+
+        self.n += 1
+        return socket.gethostname(), self.n
+
+    @endpoint
+    def sleep(self, s: float) -> float:
+        time.sleep(s)
+        return s
+
+
+def test_slurm_job_spans_both_nodes_and_a_second_process_gets_the_same_actors_back(cluster):
+    job = SlurmJob(meshes={"trainers": 2}, job_name="mk-test")
+    lines = []
+    try:
+        state = job.state(progress=lines.append)
+        assert any("running on n[1-2]" in line for line in lines), lines
+        procs = state.trainers.spawn_procs(per_host={"gpus": 2})
+        assert procs.sizes == {"hosts": 2, "gpus": 2}
+        counters = procs.spawn("counters", Counter)
+        assert counters.bump.call().get(timeout=60).values() == [("n1", 1), ("n1", 1), ("n2", 1), ("n2", 1)]
+        assert counters.slice(hosts=1).bump.call().get(timeout=20).values() == [("n2", 2), ("n2", 2)]
+        assert oct(os.stat(job.dump()).st_mode & 0o777) == "0o600"
+        job.disconnect()
+        # A new process, the same constructor call: the same allocation, procs and actors.
+        code = ("import json; from monarch_kernel.job import SlurmJob\n"
+                "job = SlurmJob(meshes={'trainers': 2}, job_name='mk-test')\n"
+                "pm = job.state().trainers.proc_mesh('procs')\n"
+                "print(json.dumps([job.job_id, pm.actor_mesh('counters').bump.call().get(timeout=20).values()]))\n"
+                "job.disconnect()\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        job_id, values = json.loads(out.stdout.strip().splitlines()[-1])
+        assert job_id == job.job_id
+        assert [tuple(v) for v in values] == [("n1", 2), ("n1", 2), ("n2", 3), ("n2", 3)]
+    finally:
+        t0 = time.monotonic()
+        job.kill()
+        took = time.monotonic() - t0
+    assert cluster.queue() == []
+    assert took < 15, took
+
+
+def test_a_node_cut_off_fails_its_ranks_within_5_s_and_the_other_node_keeps_its_state(cluster):
+    job = SlurmJob(meshes={"hosts": 2})
+    try:
+        procs = job.state().hosts.spawn_procs(per_host={"gpus": 1})
+        counters = procs.spawn("counters", Counter)
+        assert counters.bump.call().get(timeout=60).values() == [("n1", 1), ("n2", 1)]
+        fut = counters.slice(hosts=1).sleep.call(30)
+        time.sleep(0.3)
+        cluster.link("n2", up=False)
+        t0 = time.monotonic()
+        with pytest.raises(SupervisionError) as e:
+            fut.get(timeout=20)
+        assert time.monotonic() - t0 < 5.0
+        assert "host lost" in str(e.value), e.value
+        assert counters.slice(hosts=0).bump.call().get(timeout=10).values() == [("n1", 2)]
+    finally:
+        cluster.link("n2", up=True)
+        job.kill()
+    assert cluster.queue() == []
+
+
+def test_a_job_cancelled_from_outside_is_reported_on_the_next_interaction(cluster):
+    job = SlurmJob(meshes={"hosts": 1})
+    try:
+        procs = job.state().hosts.spawn_procs(per_host={"gpus": 1})
+        counters = procs.spawn("counters", Counter)
+        counters.bump.call().get(timeout=60)
+        assert cluster.run("scancel", job.job_id).returncode == 0
+        deadline = time.monotonic() + 15
+        while cluster.queue() and time.monotonic() < deadline:   # Slurm has ended the job's tasks
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(SupervisionError):
+            counters.bump.call().get(timeout=15)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(JobGoneError, match=f"slurm job {job.job_id} .*(CANCELLED|ended)"):
+            job.state()
+    finally:
+        job.kill()
+    assert cluster.queue() == []
+
+
+def test_sbatch_refusing_the_job_says_why_at_once_and_leaves_nothing(cluster):
+    t0 = time.monotonic()
+    with pytest.raises(JobError, match="sbatch refused .*[Ii]nvalid partition"):
+        SlurmJob(meshes={"hosts": 2}, partition="nosuch").state()
+    with pytest.raises(JobError, match="sbatch refused .*Node count specification invalid"):
+        SlurmJob(meshes={"hosts": 3}).state()
+    assert time.monotonic() - t0 < 5
+    assert cluster.queue() == []
+
+
+def test_a_job_pending_past_job_start_timeout_is_cancelled_with_its_pending_reason(cluster):
+    job = SlurmJob(meshes={"hosts": 1}, slurm_args=["--begin=now+3600"], job_start_timeout=1.0)
+    lines = []
+    with pytest.raises(JobError, match=r"still pending after 1 s \(BeginTime\); it was cancelled"):
+        job.state(progress=lines.append)
+    assert any("queued (BeginTime)" in line for line in lines), lines
+    assert cluster.queue() == []

@@ -1,0 +1,116 @@
+"""The JupyterLab extension in a real JupyterLab and headless Chromium: the Mesh sidebar,
+the status-bar item, "insert connect cell", the "on mesh" cell button, a killed proc
+turning dead, ``%mesh top`` refreshing, and the panel's stop button.
+
+Screenshots go to ``$MONARCH_KERNEL_SCREENSHOTS`` (default: the test's tmp dir). Needs
+/usr/bin/chromium, playwright, and the built extension (scripts/build_extension.sh, run
+by scripts/setup.sh when npm is there); skips, saying which is missing, otherwise.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from lab_harness import CHROMIUM, CHROMIUM_ARGS, READY, extension_installed, jupyter_lab, write_notebook
+
+MESH = "kt-mesh-panel"
+CELLS = [f"%mesh connect {MESH} --procs 2", "%mesh top",
+         'import os\nprint("hello from", os.environ.get("RANK", "here"))']
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (scripts/setup.sh "
+                                                            "installs it with apt-get when it can)"),
+    pytest.mark.skipif(not extension_installed(), reason="the JupyterLab extension is not built (scripts/"
+                                                         "build_extension.sh needs npm and the npm registry)"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_mesh_panel_status_bar_and_buttons_follow_the_mesh(tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
+                                                                 "playwright; it uses the system Chromium)")
+    shots = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "root").mkdir()
+    write_notebook(tmp_path / "root" / "mesh.ipynb", CELLS)
+    with jupyter_lab(tmp_path, "mesh.ipynb") as (url, _home), sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium"), executable_path=CHROMIUM,
+                                                   headless=True, viewport={"width": 1400, "height": 900},
+                                                   args=CHROMIUM_ARGS)
+        try:
+            page = ctx.pages[0] if ctx.pages else ctx.new_page()
+            page.on("dialog", lambda d: d.accept())
+            page.goto(url)
+            page.wait_for_function(READY, timeout=90_000, polling=250)
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            page.evaluate("() => window.jupyterapp.commands.execute('monarch:show-meshes')")
+
+            # the panel lists the mesh with its 2 procs, marked as this notebook's
+            mesh = page.locator(f".mk-mesh[data-mesh='{MESH}']")
+            mesh.locator(".mk-proc").nth(1).wait_for(timeout=90_000)
+            assert mesh.locator(".mk-badge").inner_text() == "this notebook"
+            sparks = f"document.querySelectorAll(\".mk-mesh[data-mesh='{MESH}'] .mk-spark polyline\").length"
+            page.wait_for_function(f"() => {sparks} >= 4", timeout=10_000)   # CPU and memory lines of 2 ranks
+            status = page.locator(".mk-status-item")
+            status.filter(has_text=f"mesh {MESH} · 2 procs").wait_for(timeout=10_000)
+            assert re.fullmatch(rf"mesh {MESH} · 2 procs · lease \d+ min", status.inner_text().strip())
+
+            # %mesh top refreshes on its own while the notebook is idle
+            top = page.locator(".monarch-top")
+            top.first.wait_for(timeout=30_000)
+            n0 = int(re.search(r"update (\d+)", top.first.inner_text()).group(1))
+            page.wait_for_function(f"""() => {{ const t = document.querySelector('.monarch-top');
+                return t && +(/update (\\d+)/.exec(t.innerText) || [0, 0])[1] >= {n0 + 2}; }}""", timeout=10_000)
+            page.screenshot(path=str(shots / "mesh-1-panel-and-top.png"))
+
+            # a killed proc turns dead in the panel within 2 s, and the status bar goes red
+            row = mesh.locator(".mk-proc[data-rank='1']")
+            pid = int(row.get_attribute("data-pid"))
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            page.wait_for_selector(f".mk-mesh[data-mesh='{MESH}'] .mk-proc[data-rank='1'][data-state='dead']",
+                                   timeout=5_000)
+            took = time.monotonic() - t0
+            assert took < 2.0, f"the panel showed the death after {took:.2f} s"
+            page.locator(".mk-status-item.mk-red").wait_for(timeout=3_000)
+            assert "1 dead" in status.inner_text()
+            page.screenshot(path=str(shots / "mesh-2-dead-proc.png"))
+
+            # "insert connect cell" puts the connect line into the notebook
+            mesh.get_by_role("button", name="insert connect cell").click()
+            page.wait_for_function(f"""() => window.jupyterapp.shell.currentWidget.content.widgets
+                .some(c => c.model.sharedModel.getSource() === '%mesh connect {MESH}')""", timeout=5_000)
+
+            # "respawn dead" replaces the dead proc (this notebook is attached to the mesh)
+            mesh.get_by_role("button", name="respawn dead").click()
+            page.wait_for_selector(f".mk-mesh[data-mesh='{MESH}'] .mk-proc[data-rank='1'][data-state='idle']",
+                                   timeout=30_000)
+            page.locator(".mk-status-item:not(.mk-red)").wait_for(timeout=5_000)
+
+            # the cell button runs a cell on the mesh
+            page.evaluate("""() => { const nb = window.jupyterapp.shell.currentWidget.content;
+                nb.activeCellIndex = nb.widgets.findIndex(c => c.model.sharedModel.getSource().includes('hello'));
+                }""")
+            page.locator(".jp-Cell.jp-mod-active .jp-cell-toolbar").get_by_text("on mesh").click()
+            page.get_by_text("hello from 1").first.wait_for(timeout=30_000)   # ran on rank 1 (RANK=1 there)
+            assert page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.widgets
+                .some(c => c.model.sharedModel.getSource().startsWith('%%on_mesh\\nimport os'))""")
+            page.screenshot(path=str(shots / "mesh-3-after-respawn-and-on-mesh.png"))
+
+            # "logs" opens the ranks' output kept on the host
+            mesh.get_by_role("button", name="logs").click()
+            page.locator(".mk-logs pre", has_text="[rank 1] hello from 1").wait_for(timeout=15_000)
+            page.screenshot(path=str(shots / "mesh-4-logs.png"))
+            page.evaluate("() => window.jupyterapp.shell.activateById(window.jupyterapp.shell.widgets('main')"
+                          ".next().value.id)")   # back to the notebook
+
+            # stop, from the panel: the mesh goes away
+            mesh.get_by_role("button", name="stop").click()
+            mesh.wait_for(state="detached", timeout=20_000)
+            page.screenshot(path=str(shots / "mesh-5-stopped.png"))
+        finally:
+            ctx.close()

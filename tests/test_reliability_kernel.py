@@ -1,0 +1,40 @@
+"""Reliability through a real kernel (jupyter_client): one stuck rank is blamed alone."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from kernel_harness import KernelHarness
+
+MESH = "kt-reliability"
+
+# A catastrophic regex: re's C code holds the GIL for minutes, so the proc's I/O thread
+# cannot answer either (what a user meets with a bad pattern on one rank).
+STUCK = "import re\nif rank == 0:\n    re.match(r'(a+)+$', 'a' * 40 + 'b')\nrank * 10"
+
+
+@pytest.fixture(scope="module")
+def k():
+    h = KernelHarness()
+    try:
+        h.ok(f"%mesh connect {MESH} --procs 3", timeout=120)
+        yield h
+    finally:
+        h.close(stop_meshes=(MESH,))
+
+
+def test_one_rank_stuck_in_native_code_is_blamed_alone_and_the_others_values_are_kept(k):
+    r = k.run("%%on_mesh --timeout 1\n" + STUCK, timeout=60)       # rank 0 is stuck from here on
+    assert r.status == "error"
+    r = k.run("%%on_mesh --timeout 1\nrank * 10", timeout=60)       # a later cell on all ranks
+    assert r.status == "error"
+    text = r.stderr + str(r.error)
+    assert "rank 0 " in text or "ranks 0 " in text or "rank 0:" in text, text
+    assert "ranks 0-2" not in text and "0-2" not in text, text
+    assert k.value("[_on_mesh.values()[1], _on_mesh.values()[2]]") == [10, 20]
+    t0 = time.monotonic()
+    r = k.ok("%mesh status", timeout=30)
+    took = time.monotonic() - t0
+    out = r.stdout + "".join(d["data"]["text/plain"] for d in r.data("display_data") + r.data())
+    assert out.count("unresponsive") == 1, out
+    assert took < 3.0, f"%mesh status took {took:.1f} s with one stuck rank"

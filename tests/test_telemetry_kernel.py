@@ -1,0 +1,64 @@
+"""%mesh logs, %mesh top and mesh.telemetry through a real Monarch kernel and a 2-proc mesh."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from kernel_harness import KernelHarness
+
+MESH = "kt-telemetry"
+
+
+@pytest.fixture(scope="module")
+def k():
+    h = KernelHarness()
+    try:
+        h.ok(f"%mesh connect {MESH} --procs 2", timeout=120)
+        yield h
+    finally:
+        h.close(stop_meshes=(MESH,))
+
+
+def test_logs_show_what_ranks_printed_with_grep_ranks_and_tail(k):
+    k.ok('%%on_mesh\nfor i in range(3): print(f"epoch {i} loss {rank + i}")')
+    out = k.ok('%mesh logs --grep "epoch [12]"').stdout.splitlines()
+    assert sorted(out) == ["[rank 0] epoch 1 loss 1", "[rank 0] epoch 2 loss 2",
+                           "[rank 1] epoch 1 loss 2", "[rank 1] epoch 2 loss 3"]
+    assert k.ok("%mesh logs --ranks 1 --tail 1 --grep epoch").stdout.splitlines() == [
+        "[rank 1] epoch 2 loss 3", "(2 earlier matching lines not shown: --tail N for more)"]
+
+
+def test_output_printed_while_no_notebook_was_attached_is_in_the_logs(k):
+    k.ok('%%on_mesh\nimport threading\nthreading.Timer(1.0, print, (f"while away {rank}",)).start()')
+    k.ok("%mesh disconnect")
+    time.sleep(2.0)
+    k.ok(f"%mesh connect {MESH}", timeout=60)
+    assert sorted(k.ok('%mesh logs --grep "while away"').stdout.splitlines()) == [
+        "[rank 0] while away 0", "[rank 1] while away 1"]
+
+
+def test_a_bad_logs_flag_or_regex_says_what_to_fix(k):
+    r = k.run("%mesh logs --grep '('")   # a UsageError: IPython prints it on stderr
+    assert r.status == "error" and "--grep '(' is not a valid regular expression" in r.stderr + str(r.error)
+    r = k.run("%mesh logs --tial 3")
+    assert r.status == "error" and "unrecognized arguments: --tial" in r.stderr + str(r.error)
+
+
+def test_top_keeps_refreshing_while_another_cell_runs_and_leaves_a_text_line(k):
+    r = k.ok("%mesh top")
+    shown = [m for m in r.outputs if m["msg_type"] == "display_data"][0]["content"]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in shown
+    assert shown["text/plain"].startswith(f"mesh {MESH} · 2 procs · CPU ")
+    before = k.value("[v.updates for v in __import__('monarch_kernel.telemetry.top').telemetry.top.SHOWN][0]")
+    k.ok("%%on_mesh\nimport time; time.sleep(3)")
+    after = k.value("[v.updates for v in __import__('monarch_kernel.telemetry.top').telemetry.top.SHOWN][0]")
+    assert after >= before + 2
+    k.ok("[v.close() for v in __import__('monarch_kernel.telemetry.top').telemetry.top.SHOWN]; import time; "
+         "time.sleep(1.5)")
+    assert k.value("[v.open for v in __import__('monarch_kernel.telemetry.top').telemetry.top.SHOWN]") == [False]
+
+
+def test_mesh_telemetry_query_shows_a_table_of_rows(k):
+    r = k.ok("mesh.telemetry.query('select rank, count(*) > 0 from samples group by rank')")
+    assert r.result.splitlines() == ["rank  count(*) > 0", "0     1", "1     1"]
+    assert "<table>" in r.data()[0]["data"]["text/html"]

@@ -18,13 +18,14 @@ import os
 import threading
 
 from .core.actors import Actor, concurrent_endpoint, endpoint
+from .core.bootstrap import attach_to_workers, default_per_host
 from .core.channels import Accumulator, Channel, Port, PortReceiver
 from .core.context import Context, context, current_actor_name, current_rank, current_size
 from .core.controllers import get_or_spawn_controller
 from .core.endpoint import Endpoint, as_endpoint
 from .core.errors import ActorError, MeshFailure, MeshGoneError, MonarchError, SupervisionError
 from .core.future import Future
-from .core.hosts import HostMesh, attach, attach_to_workers, default_per_host, this_host
+from .core.hosts import HostMesh, attach, this_host
 from .core.mesh import ActorMesh, ProcMesh
 from .core.shape import Extent, Point
 from .core.supervision import default_unhandled_fault_hook

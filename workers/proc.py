@@ -362,8 +362,7 @@ class ProcWorker:
         BaseException (other than our own interrupt), or any raise under broadcast, fails
         the actor (it is stopped and its owner is told); an Exception with a caller waiting
         only fails the call."""
-        fatal = exc is not None and (not isinstance(exc, Exception) and not interrupted
-                                     or not call_id)
+        fatal = _fails_the_actor(exc, call_id, interrupted)
         if not (ok and explicit):
             if call_id or not fatal:
                 self._reply(reply_to, call_id, ok, value)
@@ -537,16 +536,23 @@ class ProcWorker:
             finally:
                 self.async_calls.pop(key, None)
             self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
-            fatal = exc is not None and (not isinstance(exc, Exception) or not call_id)
-            if fatal:   # the actor is stopped on the main thread, after this reply
+            # a CancelledError is what interrupting an async endpoint raises in it: not fatal
+            interrupted = isinstance(exc, asyncio.CancelledError)
+            if _fails_the_actor(exc, call_id, interrupted):   # stopped on the main thread, after the reply
                 self._kill_exc[aid] = exc
                 self._finish_call(aid, reply_to, call_id, ok, value, explicit, None)
                 self.rt.send(self.work_addr, self.key, ("kill_actor", aid, value, bool(call_id)))
             else:
-                self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc)
+                self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc, interrupted)
 
         holder = self.async_calls[key] = [None, where]   # before it runs: it removes itself when done
         holder[0] = asyncio.run_coroutine_threadsafe(run(), self._event_loop())
+
+
+def _fails_the_actor(exc, call_id, interrupted: bool) -> bool:
+    """Monarch's rule: a BaseException, or any raise nobody waits on (broadcast), fails the
+    actor; an Exception with a caller fails only the call; our own interrupt never does."""
+    return exc is not None and not interrupted and (not isinstance(exc, Exception) or not call_id)
 
 
 async def _awaited(awaitable, ctx=None):

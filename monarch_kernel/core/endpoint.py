@@ -179,7 +179,22 @@ def _done(value, what: str) -> Future:
     return f
 
 
-class _AppliedFuture(Future):
+class _QuietFuture(Future):
+    """A Future that shows nothing as a notebook cell's value: ``procs.stop()`` as a cell's
+    last line returns one (for Monarch code) without printing it."""
+
+    __slots__ = ()
+
+    def _ipython_display_(self):
+        pass
+
+
+def _quiet(fut: Future) -> Future:
+    fut.__class__ = _QuietFuture
+    return fut
+
+
+class _AppliedFuture(_QuietFuture):
     """A done Future that is also a coroutine object, for Monarch's ``async def`` methods
     we apply at once (``asyncio.run(pm.logging_option(...))``, ``await``, ``.get()``)."""
 

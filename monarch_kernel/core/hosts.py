@@ -21,6 +21,7 @@ from .connection import (
     read_connection_file,
 )
 from .errors import HostUnreachableError, MeshFailure, MeshGoneError
+from .future import Future
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
 from .runtime import ProcRef, _pid_alive, pid_space, runtime
 from .shape import Extent
@@ -78,6 +79,19 @@ class HostMesh:
     def hosts(self) -> list[str]:
         return [i["host"] for i in self._infos]
 
+    @property
+    def initialized(self) -> Future:
+        """Monarch's ``await hosts.initialized``: ours is connected when it is returned."""
+        f: Future = Future(f"host mesh '{self.name}'")
+        f.set_result(True)
+        return f
+
+    async def __aenter__(self) -> HostMesh:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.shutdown()
+
     # ------------------------------------------------------------------ procs
     def spawn_procs(self, per_host: dict | None = None, bootstrap=None, name: str | None = None,
                     proc_bind=None, bootstrap_command=None) -> ProcMesh:
@@ -133,7 +147,9 @@ class HostMesh:
             rt.agent_send(a["addr"], self._key, "register", mesh_id, st.record())
         pm = ProcMesh(st)
         if bootstrap is not None:
-            _run_bootstrap(pm, bootstrap)
+            from .bootstrap import run_bootstrap
+
+            run_bootstrap(pm, bootstrap)
         return pm
 
     def with_python_executable(self, python_executable: str) -> HostMesh:
@@ -438,60 +454,3 @@ def attach(name: str) -> HostMesh:
 def _attach_info(name: str, info: dict) -> HostMesh:
     return HostMesh(info["agents"], bytes.fromhex(info["key"]), name, local=len(info["agents"]) == 1,
                     persistent=bool(info.get("persistent")))
-
-
-def default_per_host() -> dict:
-    """What ``%mesh connect`` starts per host: one proc per visible GPU, else per CPU core
-    (the dim is ``gpus`` either way, so code written for a GPU host runs unchanged)."""
-    return {"gpus": _gpu_count() or os.cpu_count() or 1}
-
-
-def _run_bootstrap(pm: ProcMesh, fn) -> None:
-    """``spawn_procs(bootstrap=fn)``: run ``fn()`` (sync or async) on every proc, now."""
-    from .actors import Actor
-
-    class _Bootstrap(Actor):
-        def __init__(self, fn):
-            import asyncio
-            import inspect
-
-            res = fn()
-            if inspect.isawaitable(res):
-                asyncio.run(_await(res))
-
-    am = pm.spawn("bootstrap", _Bootstrap, fn)
-    try:
-        am.initialized.get(120)
-    finally:
-        am.stop()
-
-
-async def _await(x):
-    return await x
-
-
-def attach_to_workers(addresses: list[str] | None = None, key: bytes | str | None = None,
-                      name: str | None = None, *, workers=None, ca=None, private_key=None) -> HostMesh:
-    """A HostMesh of agents started by hand (``python -m workers.agent --bind ADDR``) with
-    the same key; dims ``{"hosts": len(addresses)}``. Monarch's keyword form works too:
-    ``attach_to_workers(workers=[...], name=..., ca=...)`` (entries may be Futures of
-    addresses); the key then comes from ``MONARCH_KERNEL_KEY``. ``ca``/``private_key`` are
-    accepted and unused: peers authenticate with the shared key."""
-    if workers is not None:
-        if addresses is not None:
-            raise TypeError("attach_to_workers: pass the addresses once, as workers=[...] or positionally")
-        addresses = [w.get(HELLO_TIMEOUT_S) if hasattr(w, "get") and not isinstance(w, str) else w
-                     for w in workers]
-    if not addresses:
-        raise TypeError("attach_to_workers needs the agents' addresses: workers=['tcp://host:port', ...]")
-    name = name or "workers"
-    if key is None:
-        key = os.environ.get("MONARCH_KERNEL_KEY")
-        if not key:
-            raise ValueError("attach_to_workers needs the agents' key: pass key=... or set MONARCH_KERNEL_KEY "
-                             "(the hex key the agents were started with)")
-    if isinstance(key, str):
-        key = bytes.fromhex(key)
-    agents = [{"addr": a if a.startswith("tcp://") else f"tcp://{a}", "host": a, "pid": None}
-              for a in addresses]
-    return HostMesh(agents, key, name, local=False)

@@ -25,6 +25,7 @@ from .endpoint import (
     _failed,
     _init_params,
     _pack_args,
+    _quiet,
     _wait_initialized,
 )
 from .errors import ActorError, MeshFailure, MeshGoneError, SupervisionError
@@ -268,7 +269,23 @@ class ProcMesh(_Sliceable):
             if hm is None:
                 raise MeshGoneError("stop() is for the controller that spawned or attached this mesh")
             hm._stop_proc_mesh(st)
-        return _done(None, f"stop of '{st.name}'")
+        return _quiet(_done(None, f"stop of '{st.name}'"))
+
+    @property
+    def initialized(self) -> Future:
+        """Monarch's ``await procs.initialized``: our procs are up when spawn_procs returns."""
+        return _done(True, f"proc mesh '{self._state.name}'")
+
+    @property
+    def host_mesh(self):
+        """The HostMesh these procs run on (None in a process that did not spawn or attach it)."""
+        return self._state.host_mesh
+
+    async def __aenter__(self) -> ProcMesh:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop()
 
     def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: int | None = None,
                        level: int = logging.INFO) -> Future[None]:
@@ -462,7 +479,7 @@ class ActorMesh(_Sliceable, Generic[T]):
         ``__cleanup__(None)``. Returns at once; the Future is done when all cleaned up."""
         st = self._state
         if st.stopped:
-            return _done(None, f"stop of '{st.name}'")
+            return _quiet(_done(None, f"stop of '{st.name}'"))
         st.stopped = True
         rt = runtime()
         ps = st.proc_state
@@ -474,12 +491,12 @@ class ActorMesh(_Sliceable, Generic[T]):
         if hm is not None and not ps.stopped:
             hm._register_actor(ps, st, forget=True)
         if not live:
-            return _done(None, f"stop of '{st.name}'")
+            return _quiet(_done(None, f"stop of '{st.name}'"))
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
                                        f"stop of '{st.name}'")
         for ref in live:
             rt.send(ref.work, ps.key, ("stop_actor", st.id, str(reason), rt.address, call_id))
-        return chained(pending.future, lambda _v: None, f"stop of '{st.name}'")
+        return _quiet(chained(pending.future, lambda _v: None, f"stop of '{st.name}'"))
 
     def __repr__(self):
         return f"<ActorMesh '{self.name}' {self._state.class_name} {self._view.describe()}>"

@@ -273,7 +273,7 @@ def set_lease(hm: HostMesh, seconds: float) -> None:
 
 def _spawn_with_progress(hm: HostMesh, per_host: dict | None, progress) -> ProcMesh:
     """spawn_procs, reporting (ready, total) to ``progress`` while the procs start."""
-    from ..core.hosts import default_per_host
+    from ..core.bootstrap import default_per_host
 
     per_host = per_host or default_per_host()   # spawn_procs' own default is Monarch's: 1 per host
     if progress is None:

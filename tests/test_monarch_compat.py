@@ -437,5 +437,8 @@ def test_a_notebook_cell_that_spawns_shows_a_failed_init_under_itself():
         assert "init fails on purpose" in r.error["evalue"]
         assert k.ok("procs.spawn('good', Actor).initialized.get(30)").error == {}   # not raised again
         assert k.ok("procs.stop()").outputs == []   # a Future for Monarch code, silent as a cell's value
+        # spawn_procs() defaults to Monarch's one proc per host; %mesh connect keeps one per core here
+        n = os.cpu_count()
+        assert f"{n} procs (gpus={n}) started" in k.ok("%mesh connect compat-nb", timeout=120).stdout
     finally:
-        k.close()
+        k.close(stop_meshes=("compat-nb",))

@@ -95,6 +95,7 @@ class ProcWorker:
         self.work = rt.ctx.socket(zmq.PULL)
         self.work.setsockopt(zmq.RCVHWM, 0)
         self.work.setsockopt(zmq.LINGER, 0)
+        self.work.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
         self.work.bind(f"tcp://{cfg['bind']}:*")
         self.work_addr = self.work.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.work_ipc = ipc_name("work")

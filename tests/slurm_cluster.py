@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 import time
 
+from netns_hosts import BridgedHosts
+
 TOOLS = ("ip", "nsenter", "unshare", "munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
 
 
@@ -36,20 +38,11 @@ def unavailable() -> str | None:
     return None
 
 
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
-
-
 class SlurmCluster:
     def __init__(self, nodes: int = 2, cpus: int = 4):
         self.n, self.cpus = nodes, cpus
-        self.tag = secrets.token_hex(3)
-        net = random.randint(1, 250)
-        self.bridge_ip = f"10.213.{net}.1"
-        self.node_ip = {f"n{i}": f"10.213.{net}.{10 + i}" for i in range(1, nodes + 1)}
-        self.bridge = f"mkb{self.tag}"
-        self.netns = {n: f"mkn{self.tag}{n}" for n in self.node_ip}
-        self.veth = {n: f"mkv{self.tag}{n}" for n in self.node_ip}
+        self.net = BridgedHosts([f"n{i}" for i in range(1, nodes + 1)])
+        self.tag, self.bridge_ip, self.node_ip = self.net.tag, self.net.bridge_ip, self.net.ip
         self.dir = tempfile.mkdtemp(prefix="mk-slurm-")
         self.conf = os.path.join(self.dir, "slurm.conf")
         self.env = dict(os.environ, SLURM_CONF=self.conf)
@@ -69,7 +62,7 @@ class SlurmCluster:
         self.stop()
 
     def start(self) -> None:
-        self._network()
+        self.net.open()
         d = self.dir
         key = os.path.join(d, "munge.key")
         with open(key, "wb") as f:
@@ -87,29 +80,13 @@ class SlurmCluster:
         self._write_conf()
         self.procs.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", self.conf], env=denv,
                                            stdout=subprocess.DEVNULL, stderr=open(f"{d}/slurmctld.err", "wb")))
-        for node, ns in self.netns.items():
-            cmd = ["nsenter", f"--net=/run/netns/{ns}", "unshare", "-u", "sh", "-c",
-                   f"hostname {node} && exec slurmd -D -f {self.conf} -N {node}"]
+        for node in self.node_ip:
+            cmd = self.net.enter(node, ["slurmd", "-D", "-f", self.conf, "-N", node])
             p = subprocess.Popen(cmd, env=denv, stdout=subprocess.DEVNULL,
                                  stderr=open(f"{d}/slurmd-{node}.err", "wb"))
             self.procs.append(p)
             self.node_procs[node] = p
         self._wait(self._all_idle, "every node idle in sinfo", timeout=30)
-
-    def _network(self) -> None:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
-        for node, ns in self.netns.items():
-            peer = f"mkp{self.tag}{node}"
-            _ip("netns", "add", ns)
-            _ip("link", "add", self.veth[node], "type", "veth", "peer", "name", peer)
-            _ip("link", "set", peer, "netns", ns)
-            _ip("link", "set", self.veth[node], "master", self.bridge)
-            _ip("link", "set", self.veth[node], "up")
-            _ip("-n", ns, "addr", "add", f"{self.node_ip[node]}/24", "dev", peer)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", peer, "up")
 
     def _write_conf(self) -> None:
         d = self.dir
@@ -153,7 +130,7 @@ class SlurmCluster:
     # ------------------------------------------------------------------ use
     def link(self, node: str, up: bool) -> None:
         """Cut a node off the network (its host-side veth down), or bring it back."""
-        _ip("link", "set", self.veth[node], "up" if up else "down")
+        self.net.link(node, up)
 
     def queue(self) -> list[str]:
         """Jobs Slurm still holds as pending or running (nothing, after a clean kill)."""
@@ -168,7 +145,7 @@ class SlurmCluster:
     def stop(self) -> None:
         if any(p.poll() is None for p in self.procs):
             for node in self.node_ip:
-                self.link(node, up=True) if self._has_link(node) else None
+                self.link(node, up=True)
             subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=30)
             deadline = time.monotonic() + 15
             while self._has_jobs() and time.monotonic() < deadline:
@@ -182,13 +159,8 @@ class SlurmCluster:
                 p.kill()
                 p.wait()
         self.procs.clear()
-        for ns in self.netns.values():
-            _ip("netns", "del", ns, check=False)
-        _ip("link", "del", self.bridge, check=False)
+        self.net.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def _has_link(self, node: str) -> bool:
-        return _ip("link", "show", self.veth[node], check=False).returncode == 0
 
     def _has_jobs(self) -> bool:
         try:

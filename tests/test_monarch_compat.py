@@ -155,10 +155,18 @@ class Parent(Actor):
 
 
 class Streamer(Actor):
+    def __init__(self, log_dir: str = ""):
+        self.log_dir = log_dir
+
     @concurrent_endpoint
     async def slow(self, s: float) -> float:
         await asyncio.sleep(s)
         return s
+
+    async def __cleanup__(self, exc):
+        await asyncio.sleep(0.05)   # awaited on the proc's loop before the stop completes
+        if self.log_dir:
+            Path(self.log_dir, f"async-cleanup-{current_rank().rank}").write_text(repr(exc))
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +232,8 @@ def test_a_broadcast_raise_fails_the_actor_and_goes_to_a_replaced_unhandled_faul
         w.slice(gpus=1).boom.broadcast()
         _eventually(lambda: _nonempty(seen))
         assert isinstance(seen[0], MeshFailure) and "boom on purpose" in str(seen[0])
-        assert seen[0].mesh == "w" and seen[0].rank == 1
+        assert seen[0].mesh == seen[0].mesh_name == "w" and seen[0].rank == 1
+        assert "boom on purpose" in seen[0].report()
         # cleanup got Monarch's argument: the exception
         assert "ValueError('boom on purpose')" in (tmp_path / "cleanup-1").read_text()
         assert w.slice(gpus=0).bump.call_one().get(30) == 1      # rank 0 lives on
@@ -287,6 +296,12 @@ def test_accumulator_concurrent_endpoint_and_as_endpoint(procs):
     assert [f.get(30) for f in futs] == [0.5] * 3 and time.monotonic() - t0 < 1.4   # concurrent
     with pytest.raises(ValueError, match="only wrap async"):
         concurrent_endpoint(lambda self: None)
+
+
+def test_an_async_cleanup_is_awaited_before_stop_completes(procs, tmp_path):
+    s = procs.spawn("s", Streamer, str(tmp_path))
+    assert s.stop().get(30) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["async-cleanup-0", "async-cleanup-1"]
 
 
 # ------------------------------------------------------------------ 6. named controllers, self-stop
@@ -423,5 +438,8 @@ def test_a_notebook_cell_that_spawns_shows_a_failed_init_under_itself():
         assert "init fails on purpose" in r.error["evalue"]
         assert k.ok("procs.spawn('good', Actor).initialized.get(30)").error == {}   # not raised again
         assert k.ok("procs.stop()").outputs == []   # a Future for Monarch code, silent as a cell's value
+        # spawn_procs() defaults to Monarch's one proc per host; %mesh connect keeps one per core here
+        n = os.cpu_count()
+        assert f"{n} procs (gpus={n}) started" in k.ok("%mesh connect compat-nb", timeout=120).stdout
     finally:
-        k.close()
+        k.close(stop_meshes=("compat-nb",))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {"JobTrait": "base", "JobState": "base", "JobError": "base", "JobGoneError": "base",
-          "job_load": "base", "LocalJob": "local", "ProcessJob": "local", "SlurmJob": "slurm"}
+          "job_load": "base", "LocalJob": "local", "ProcessJob": "local", "SlurmJob": "slurm",
+          "SSHJob": "ssh"}
 
 __all__ = sorted(_WHERE)
 

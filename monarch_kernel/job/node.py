@@ -2,6 +2,7 @@
 
   MONARCH_KERNEL_KEY=<hex> python -m monarch_kernel.job.node --report tcp://CTL:PORT
                                    --token T [--lease S] [--name N] [--port P]
+  python -m monarch_kernel.job.node --key-stdin --detach --rank R ...     (over ssh)
 
 A scheduler (``srun``, ``ssh``, a pod) runs one of these per host. It binds the agent to
 the node's address that routes to the controller (``MONARCH_KERNEL_BIND`` overrides; never
@@ -10,6 +11,11 @@ all interfaces unless that is what it says), reads the agent's ready line, and r
 key, so no shared file system is needed. Then it waits for the agent and exits with its
 code; a SIGTERM (``scancel``, pod deletion) is passed on, and the agent stops its procs.
 If the agent cannot start, the report carries the error and the tail of its stderr.
+
+Over ssh (``--key-stdin --detach``) the key arrives as the first line of stdin, and once
+the agent is up this process exits: the agent, in its own session, outlives the ssh
+connection (a kernel restart must not end it) and logs to
+``$MONARCH_KERNEL_HOME/logs/NAME.log`` on that host.
 """
 from __future__ import annotations
 
@@ -39,30 +45,48 @@ def main(argv=None) -> int:
     p.add_argument("--lease", type=float, default=3600.0)
     p.add_argument("--name", default="job")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--rank", type=int, default=None, help="this host's rank (default: from the scheduler)")
+    p.add_argument("--key-stdin", action="store_true", help="read the key (hex) from the first line of stdin")
+    p.add_argument("--detach", action="store_true", help="exit once the agent is up; it keeps running")
     a = p.parse_args(argv)
+    if a.key_stdin:
+        os.environ["MONARCH_KERNEL_KEY"] = sys.stdin.readline().strip()
     key_hex = os.environ.get("MONARCH_KERNEL_KEY", "")
     if not key_hex:
-        sys.exit("monarch_kernel.job.node: MONARCH_KERNEL_KEY is not set")
+        sys.exit("monarch_kernel.job.node: no key: set MONARCH_KERNEL_KEY or pass it on stdin with --key-stdin")
     key = bytes.fromhex(key_hex)
     ctl_host = a.report.split("://", 1)[-1].rsplit(":", 1)[0]
     bind = os.environ.get("MONARCH_KERNEL_BIND") or route_ip(ctl_host)
-    rank = rank_from_env()
+    rank = a.rank if a.rank is not None else rank_from_env()
     report = {"token": a.token, "rank": rank, "host": socket.gethostname(), "node_pid": os.getpid()}
     args = [sys.executable, "-m", "workers.agent", "--bind", bind, "--persistent", "--lease", str(a.lease),
             "--name", f"{a.name}.{rank}"]
     if a.port:
         args += ["--port", str(a.port)]
-    agent = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err_to = subprocess.PIPE
+    if a.detach:
+        logs = os.path.join(os.environ.get("MONARCH_KERNEL_HOME") or os.path.expanduser("~/.monarch_kernel"), "logs")
+        os.makedirs(logs, mode=0o700, exist_ok=True)
+        err_to = open(os.path.join(logs, f"{a.name}.{rank}.log"), "ab")
+    agent = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_to,
+                             start_new_session=a.detach)
     line = agent.stdout.readline().decode(errors="replace").strip()
     if not line.startswith(READY):
         agent.kill()
         _, err = agent.communicate()
+        if a.detach:
+            err_to.close()
+            with open(err_to.name, "rb") as f:
+                err = f.read()
         tail = "\n".join(err.decode(errors="replace").strip().splitlines()[-15:])
         report["error"] = f"the host agent did not start on {report['host']} (exit {agent.returncode}): {tail}"
         send_report(a.report, key, report)
         return 1
     report.update(addr=line[len(READY):], pid=agent.pid)
     send_report(a.report, key, report)
+    if a.detach:
+        agent.stdout.close()
+        return 0
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: agent.send_signal(signal.SIGTERM))
     # The agent's stderr is its log: pass it through to ours (the scheduler's log file).

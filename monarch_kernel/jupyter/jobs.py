@@ -2,6 +2,7 @@
 
     %mesh connect NAME --job VAR                      a job object from the notebook
     %mesh connect NAME --slurm "-N 2 -p gpu --gpus-per-node 8"
+    %mesh connect NAME --ssh gpu1,alice@gpu2:2222
 
 The job is named after the mesh, so re-running the cell in a restarted kernel finds the
 job cached under that name and re-attaches (same job id, procs and actors).
@@ -33,6 +34,13 @@ def job_from_args(user_ns: dict, args, lease: float | None):
 
         nodes, rest = _nodes_from_sbatch_args(args.slurm)
         return SlurmJob(meshes={"hosts": nodes}, slurm_args=rest, name=name, lease=lease)
+    if getattr(args, "ssh", None):
+        from ..job import SSHJob
+
+        hosts = [h.strip() for h in args.ssh.split(",") if h.strip()]
+        if not hosts:
+            raise UsageError("%mesh connect --ssh: name the hosts, e.g. --ssh gpu1,gpu2")
+        return SSHJob(hosts=hosts, name=name, lease=lease)
     return None
 
 

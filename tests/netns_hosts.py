@@ -1,0 +1,73 @@
+"""Hosts on one machine that are really different hosts: one network namespace each, with
+its own address on a bridge whose address is this machine's side (the controller's).
+
+    with BridgedHosts(["n1", "n2"]) as net:
+        net.ip["n1"], net.bridge_ip, net.netns["n1"]
+        net.link("n2", up=False)        # cut n2 off
+        net.enter("n1", ["cmd", ...])   # argv that runs cmd inside n1 (own hostname too)
+
+Names carry a random suffix (under 15 characters); ``close()`` deletes them all.
+"""
+from __future__ import annotations
+
+import random
+import secrets
+import subprocess
+
+
+def ip_cmd(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+class BridgedHosts:
+    def __init__(self, names: list[str]):
+        self.tag = secrets.token_hex(3)
+        net = random.randint(1, 250)
+        self.bridge_ip = f"10.213.{net}.1"
+        self.ip = {n: f"10.213.{net}.{10 + i}" for i, n in enumerate(names, 1)}
+        self.bridge = f"mkb{self.tag}"
+        self.netns = {n: f"mkn{self.tag}{i}" for i, n in enumerate(names, 1)}
+        self.veth = {n: f"mkv{self.tag}{i}" for i, n in enumerate(names, 1)}
+
+    def __enter__(self) -> BridgedHosts:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def open(self) -> None:
+        ip_cmd("link", "add", self.bridge, "type", "bridge")
+        ip_cmd("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+        ip_cmd("link", "set", self.bridge, "up")
+        for i, (node, ns) in enumerate(self.netns.items(), 1):
+            peer = f"mkp{self.tag}{i}"
+            ip_cmd("netns", "add", ns)
+            ip_cmd("link", "add", self.veth[node], "type", "veth", "peer", "name", peer)
+            ip_cmd("link", "set", peer, "netns", ns)
+            ip_cmd("link", "set", self.veth[node], "master", self.bridge)
+            ip_cmd("link", "set", self.veth[node], "up")
+            ip_cmd("-n", ns, "addr", "add", f"{self.ip[node]}/24", "dev", peer)
+            ip_cmd("-n", ns, "link", "set", "lo", "up")
+            ip_cmd("-n", ns, "link", "set", peer, "up")
+
+    def enter(self, node: str, argv: list[str]) -> list[str]:
+        """argv run inside ``node``'s namespace with its own hostname (``nsenter``, not
+        ``ip netns exec``, which remounts /sys and kills slurmd)."""
+        import shlex
+
+        return ["nsenter", f"--net=/run/netns/{self.netns[node]}", "unshare", "-u", "sh", "-c",
+                f"hostname {node} && exec {shlex.join(argv)}"]
+
+    def link(self, node: str, up: bool) -> None:
+        """Cut a host off the network (its bridge-side veth down), or bring it back."""
+        ip_cmd("link", "set", self.veth[node], "up" if up else "down", check=False)
+
+    def close(self) -> None:
+        for ns in self.netns.values():
+            ip_cmd("netns", "del", ns, check=False)
+        ip_cmd("link", "del", self.bridge, check=False)

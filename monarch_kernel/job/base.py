@@ -76,8 +76,11 @@ class JobTrait(ABC):
     #: one agent per mesh without a "hosts" dim (LocalJob) instead of {"hosts": N, ...}
     _local_dims = False
 
+    #: meshes come later (KubernetesJob.add_mesh), so an empty dict is fine at first
+    _meshes_later = False
+
     def __init__(self, meshes: dict[str, int], *, name: str | None = None, lease: float | None = None):
-        if not isinstance(meshes, dict) or not meshes:
+        if not isinstance(meshes, dict) or (not meshes and not self._meshes_later):
             raise ValueError(f"meshes must be a dict of mesh name -> host count, e.g. {{'trainers': 2}}; "
                              f"got {meshes!r}")
         for k, v in meshes.items():
@@ -87,7 +90,7 @@ class JobTrait(ABC):
                 raise ValueError(f"meshes[{k!r}] must be a positive number of hosts, got {v!r}")
         self._meshes = dict(meshes)
         self.lease = float(lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
-        self.name = check_name(name) if name else f"{self.kind}-{self._spec_digest()}"
+        self._name = check_name(name) if name else None
         self._handle: dict | None = None      # the scheduler's id for the allocation
         self._key: bytes | None = None
         self._agents: list[dict] = []         # {"addr", "host", "pid", "mesh", "rank"}
@@ -121,6 +124,11 @@ class JobTrait(ABC):
 
     # ------------------------------------------------------------------ the interface
     @property
+    def name(self) -> str:
+        """The job's mesh name: given, or derived from its spec (the same call, the same name)."""
+        return self._name or f"{self.kind}-{self._spec_digest()}"
+
+    @property
     def job_id(self) -> str | None:
         return (self._handle or {}).get("id")
 
@@ -138,6 +146,8 @@ class JobTrait(ABC):
         from an earlier process), or ask the scheduler for one. ``renew=True`` replaces an
         allocation that is gone instead of raising ``JobGoneError``."""
         progress = progress or (lambda text: log.info("%s", text))
+        if not self._meshes:
+            raise ValueError(f"{type(self).__name__} has no meshes yet: add one first (add_mesh)")
         if self._hosts and not any(h._detached for h in self._hosts.values()):
             reason = self._gone_reason()
             if reason is None:
@@ -169,7 +179,8 @@ class JobTrait(ABC):
             self._release()
             self._handle = None
             raise
-        self._key, self._agents = key, agents
+        # an attach-only job takes the key its running agents already have
+        self._key, self._agents = self.__dict__.pop("_key_from_create", key), agents
         self.dump(path)
         return self._attach()
 

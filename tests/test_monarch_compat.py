@@ -155,10 +155,18 @@ class Parent(Actor):
 
 
 class Streamer(Actor):
+    def __init__(self, log_dir: str = ""):
+        self.log_dir = log_dir
+
     @concurrent_endpoint
     async def slow(self, s: float) -> float:
         await asyncio.sleep(s)
         return s
+
+    async def __cleanup__(self, exc):
+        await asyncio.sleep(0.05)   # awaited on the proc's loop before the stop completes
+        if self.log_dir:
+            Path(self.log_dir, f"async-cleanup-{current_rank().rank}").write_text(repr(exc))
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +295,12 @@ def test_accumulator_concurrent_endpoint_and_as_endpoint(procs):
     assert [f.get(30) for f in futs] == [0.5] * 3 and time.monotonic() - t0 < 1.4   # concurrent
     with pytest.raises(ValueError, match="only wrap async"):
         concurrent_endpoint(lambda self: None)
+
+
+def test_an_async_cleanup_is_awaited_before_stop_completes(procs, tmp_path):
+    s = procs.spawn("s", Streamer, str(tmp_path))
+    assert s.stop().get(30) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["async-cleanup-0", "async-cleanup-1"]
 
 
 # ------------------------------------------------------------------ 6. named controllers, self-stop

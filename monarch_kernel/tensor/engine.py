@@ -135,7 +135,7 @@ def failure_error(values: list) -> TensorOpError | None:
         return None
     parts = []
     for (label, exc_type, text), ranks in groups.items():
-        parts.append(f"{label} failed on {_ranks(ranks)}: {exc_type}: {text}")
+        parts.append(f"{label_text(label)} failed on {_ranks(ranks)}: {exc_type}: {text}")
     return TensorOpError("\n".join(parts) + "\nTensors computed from it fail the same way; the mesh is still usable")
 
 
@@ -151,14 +151,22 @@ def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def issued_at() -> str:
-    """Where the user issued an op: the first frame outside this package (cheap enough)."""
+def issued_at() -> tuple:
+    """Where the user issued an op: (file, line) of the first frame outside this package.
+    Kept raw (formatting costs more than the op's dispatch); see ``label_text``."""
     f = sys._getframe(2)
     while f is not None and f.f_globals.get("__name__", "").startswith("monarch_kernel.tensor"):
         f = f.f_back
-    if f is None:
-        return ""
-    name = f.f_code.co_filename
-    if name.startswith("<ipython-input-") or "/ipykernel_" in name:
-        return f" (line {f.f_lineno} of a notebook cell)"
-    return f" ({os.path.basename(name)}:{f.f_lineno})"
+    return ("", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
+
+
+def label_text(label) -> str:
+    """``(op name, file, line)`` -> "`matmul` (train.py:12)" / "(line 3 of a notebook cell)"."""
+    if isinstance(label, str):
+        return label
+    name, filename, line = label
+    if not filename:
+        return f"`{name}`"
+    if filename.startswith("<ipython-input-") or "/ipykernel_" in filename:
+        return f"`{name}` (line {line} of a notebook cell)"
+    return f"`{name}` ({os.path.basename(filename)}:{line})"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .dist import ensure_group
-from .engine import TensorEngine, TensorOpError, issued_at
+from .engine import TensorEngine, TensorOpError, issued_at, label_text
 from .layout import layout_html, layout_text, normalize_placements
 from .worker import Ref
 
@@ -216,9 +216,10 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
         if h._engine is not engine:
             raise ValueError(f"`{name}` mixes distributed tensors of different meshes ('{engine.name}' and "
                              f"'{h._engine.name}'); move one with .full_tensor() and mesh.distribute(...)")
-    label = f"`{name}`{issued_at()}"
+    label = (name, *issued_at())   # formatted only if the op fails (engine.label_text)
     for h in handles:
-        engine.check_usable(h._gen, label)
+        if h._gen != engine.generation or engine.group.broken or engine.group.state.stopped:
+            engine.check_usable(h._gen, label_text(label))
     if name in _DATA_METHODS or fn in _SYNC_FUNCS:
         return _run_and_fetch(engine, fn, args, kwargs, label)
     device = handles[0]._device
@@ -240,8 +241,8 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
         else:
             result = fn(*margs, **mkwargs)
     except Exception as e:
-        raise type(e)(f"{label}: {e} (checked on the controller against the global shapes; nothing was sent "
-                      "to the ranks)") if _rebuildable(e) else e from None
+        raise type(e)(f"{label_text(label)}: {e} (checked on the controller against the global shapes; nothing "
+                      "was sent to the ranks)") if _rebuildable(e) else e from None
     rargs, rkwargs = _swap(args, _ref), {k: _swap(v, _ref) for k, v in kwargs.items()}
     if result is None and name == "__setitem__":
         engine.submit(handles[0]._id, fn, rargs, rkwargs, label)
@@ -377,7 +378,7 @@ def distribute(procs, tensor, placements=None) -> DistributedTensor:
     places = normalize_placements(st.labels, st.sizes, placements, tensor.ndim, "distribute()")
     meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     out = DistributedTensor(engine, engine.new_id(), meta, _group_device(engine))
-    engine.submit(out._id, "distribute", (tensor.detach().cpu(), places, None), {}, f"`distribute`{issued_at()}")
+    engine.submit(out._id, "distribute", (tensor.detach().cpu(), places, None), {}, ("distribute", *issued_at()))
     engine.flush()
     return out
 
@@ -400,7 +401,7 @@ def from_factory(procs, factory, placements=None) -> DistributedTensor:
     meta = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
     places = normalize_placements(st.labels, st.sizes, placements, meta.ndim, "mesh.tensor()")
     out = DistributedTensor(engine, engine.new_id(), meta, _group_device(engine))
-    engine.submit(out._id, "factory", (factory, places), {}, f"`tensor`{issued_at()}")
+    engine.submit(out._id, "factory", (factory, places), {}, ("tensor", *issued_at()))
     engine.flush()
     return out
 

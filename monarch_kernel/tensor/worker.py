@@ -76,11 +76,15 @@ class TensorOpFailed(Exception):
     """Raised by ``fetch`` on a rank; the controller groups these across ranks."""
 
     def __init__(self, failures: list):
-        super().__init__("; ".join(f"{f.label}: {f.exc_type}" for f in failures))
+        super().__init__("; ".join(f"{_op_name(f.label)}: {f.exc_type}" for f in failures))
         self.failures = failures
 
     def __reduce__(self):
         return (TensorOpFailed, (self.failures,))
+
+
+def _op_name(label) -> str:
+    return label if isinstance(label, str) else f"`{label[0]}`"
 
 
 def local_shard(tid: int):
@@ -91,7 +95,7 @@ def local_shard(tid: int):
     if value is None:
         raise LookupError(f"tensor {tid} is not on this rank (it was freed, or created before a respawn)")
     if isinstance(value, OpFailure):
-        raise RuntimeError(f"the tensor passed in failed to compute here: {value.label}: {value.text}")
+        raise RuntimeError(f"the tensor passed in failed to compute here: {_op_name(value.label)}: {value.text}")
     return getattr(value, "_local_tensor", value)
 
 
@@ -320,6 +324,7 @@ class TensorWorker(Actor):
 
 
 _INPLACE = object()
+_NO_PARTIAL = [None]   # the last spec seen to have no Partial placement (checking costs more than an add)
 _SCALARS = (int, float, bool)
 _POINTWISE: set = {
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
@@ -353,8 +358,10 @@ def _fast_pointwise(fn: str, args):
                 return None
             if spec is None:
                 spec = s
-                if any(p.is_partial() for p in s.placements):
-                    return None
+                if s is not _NO_PARTIAL[0]:
+                    if any(p.is_partial() for p in s.placements):
+                        return None
+                    _NO_PARTIAL[0] = s
             elif s is not spec and s != spec:
                 return None
             local_args.append(local)

@@ -33,6 +33,7 @@ from ..core.hosts import HostMesh
 log = logging.getLogger("monarch_kernel.job")
 
 Progress = Callable[[str], None]
+CACHE = object()   # state()'s default: the cache is the job's mesh connection file
 
 
 class JobError(RuntimeError):
@@ -140,11 +141,13 @@ class JobTrait(ABC):
     def meshes(self) -> dict[str, int]:
         return dict(self._meshes)
 
-    def state(self, cached_path: str | Path | None = None, *, renew: bool = False,
+    def state(self, cached_path: str | Path | None | object = CACHE, *, renew: bool = False,
               progress: Progress | None = None) -> JobState:
         """The job's host meshes: attach to the running allocation (ours, or the one cached
         from an earlier process), or ask the scheduler for one. ``renew=True`` replaces an
-        allocation that is gone instead of raising ``JobGoneError``."""
+        allocation that is gone instead of raising ``JobGoneError``. The cache is the mesh
+        connection file of the job's name; ``cached_path=PATH`` puts it elsewhere and, as in
+        Monarch, ``cached_path=None`` neither reads nor writes one."""
         progress = progress or (lambda text: log.info("%s", text))
         if not self._meshes:
             raise ValueError(f"{type(self).__name__} has no meshes yet: add one first (add_mesh)")
@@ -155,8 +158,8 @@ class JobTrait(ABC):
             self._forget_hosts()
             if not renew:
                 raise self._gone_error(reason)
-        path = Path(cached_path) if cached_path else connection_path(self.name)
-        if self._handle is None:
+        path = connection_path(self.name) if cached_path is CACHE else Path(cached_path) if cached_path else None
+        if self._handle is None and path is not None:
             rec = _read(path)
             if rec is not None:
                 self._adopt(rec, path)
@@ -181,7 +184,8 @@ class JobTrait(ABC):
             raise
         # an attach-only job takes the key its running agents already have
         self._key, self._agents = self.__dict__.pop("_key_from_create", key), agents
-        self.dump(path)
+        if path is not None:
+            self.dump(path)
         return self._attach()
 
     def kill(self) -> None:
@@ -260,9 +264,11 @@ class JobTrait(ABC):
             hm._forget()
         self._hosts = {}
 
-    def _reset(self, path: Path) -> None:
+    def _reset(self, path: Path | None) -> None:
         self._forget_hosts()
         self._handle, self._key, self._agents = None, None, []
+        if path is None:
+            return
         try:
             rec = _read(path)
             if rec is not None and (rec.get("job") or {}).get("kind") == self.kind:

@@ -1,18 +1,22 @@
 """Install the ``monarch`` kernelspec: ``python -m monarch_kernel.install [--user|--sys-prefix|--prefix P]``.
 
 The kernelspec runs this interpreter (an absolute path, so the kernel works when Jupyter
-runs from another environment) with ``-m monarch_kernel``.
+runs from another environment) with ``-m monarch_kernel``, and carries the logos the
+launcher shows (``kernelspec_assets/``, drawn by scripts/make_logo.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 KERNEL_NAME = "monarch"
 DISPLAY_NAME = "Monarch (Python 3)"
+ASSETS = Path(__file__).resolve().parent / "kernelspec_assets"
+LOGOS = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
 
 
 def kernel_json() -> dict:
@@ -27,6 +31,8 @@ def install(user: bool = False, prefix: str | None = None) -> str:
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "kernel.json").write_text(json.dumps(kernel_json(), indent=1))
+        for logo in LOGOS:
+            shutil.copy(ASSETS / logo, Path(d) / logo)
         return KernelSpecManager().install_kernel_spec(d, KERNEL_NAME, user=user, prefix=prefix)
 
 

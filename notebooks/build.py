@@ -199,7 +199,7 @@ def build(name: str) -> Path:
     nb.metadata["language_info"] = {"name": "python"}
     home = tempfile.mkdtemp(prefix="mk-nb-")
     os.environ.update(MONARCH_KERNEL_HOME=home, MONARCH_KERNEL_PREWARM="0")
-    NotebookClient(nb, kernel_name="monarch", timeout=120, allow_errors=True,
+    NotebookClient(nb, kernel_name="monarch", timeout=120, allow_errors=True, store_widget_state=False,
                    resources={"metadata": {"path": str(HERE)}}).execute()
     path = HERE / f"{name}.ipynb"
     nbformat.write(nb, path)

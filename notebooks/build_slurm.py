@@ -69,7 +69,7 @@ def build() -> Path:
     home = tempfile.mkdtemp(prefix="mk-nb-")
     with SlurmCluster() as cluster:
         os.environ.update(MONARCH_KERNEL_HOME=home, MONARCH_KERNEL_PREWARM="0", SLURM_CONF=cluster.conf)
-        NotebookClient(nb, kernel_name="monarch", timeout=120, allow_errors=True,
+        NotebookClient(nb, kernel_name="monarch", timeout=120, allow_errors=True, store_widget_state=False,
                        resources={"metadata": {"path": str(HERE)}}).execute()
     path = HERE / "slurm.ipynb"
     nbformat.write(nb, path)

@@ -97,3 +97,15 @@ def _stop_leftovers(home: str) -> None:
 
 def extension_installed() -> bool:
     return (Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "monarch-kernel" / "package.json").exists()
+
+
+needs_chromium = __import__("pytest").mark.skipif(
+    not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (scripts/setup.sh installs it with apt-get "
+                                         "when it can)")
+
+
+def browser(p, tmp: Path, width: int = 1280, height: int = 1000):
+    """Headless system Chromium through Playwright, with a fresh profile under ``tmp``."""
+    return p.chromium.launch_persistent_context(
+        str(tmp / "chromium"), executable_path=CHROMIUM, headless=True, viewport={"width": width, "height": height},
+        args=CHROMIUM_ARGS)

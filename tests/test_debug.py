@@ -139,6 +139,17 @@ def test_moving_from_one_paused_rank_to_the_next_ends_the_cell_cleanly(k):
     assert values(s.result) == ["1", "2"]
 
 
+def test_where_starts_at_the_cell_not_at_our_machinery(k):
+    s = drive(k, "%%on_mesh --ranks 1\ndef f():\n    breakpoint()\n    return 1\nf()",
+              ["where", "up", "up", "continue"])
+    assert s.status == "ok", s.text
+    where = s.text.split("(rank 1 pdb) where\n")[1].split("(rank 1 pdb)")[0]
+    for internal in ("runpy", "zygote", "workers/proc.py", "cells.py"):
+        assert internal not in where, where   # was: ~10 frames of the proc's own loop first
+    assert where.lstrip().startswith("[0] <In [") and "f()" in where
+    assert "Oldest frame" in s.text.split("(rank 1 pdb) up\n")[2]   # `up` stops at the cell
+
+
 def test_pdb_set_trace_and_the_named_dim_grammar(k):
     def answer(prompt, s):
         if s.text.count("paused at") < 2:
@@ -294,14 +305,8 @@ def _value(m) -> str:
 
 def test_the_widget_drives_a_rank_while_its_cell_runs(k):
     io = Iopub(k)
-    shown = k.kc.execute("%mesh debug")
+    assert "debugger widget on" in k.ok("%mesh debug").stdout
     comms = {}
-    io.wait(lambda m: m["parent_header"].get("msg_id") == shown and m["msg_type"] == "status"
-            and m["content"]["execution_state"] == "idle", what="(widget shown)")
-    for m in io.seen:
-        if m["msg_type"] == "comm_open":
-            st = m["content"]["data"]["state"]
-            comms[(st["_model_name"], st.get("description", ""))] = m["content"]["comm_id"]
 
     def send(model, desc, data):
         msg = k.kc.session.msg("comm_msg", {"comm_id": comms[(model, desc)], "data": data})
@@ -313,15 +318,29 @@ def test_the_widget_drives_a_rank_while_its_cell_runs(k):
     cell = k.kc.execute("%%on_mesh\nx = rank * 10\nif rank == 1:\n    breakpoint()\n    x += 1\nx")
     io.wait(lambda m: "monarch-debugger-row" in _value(m) and "<td style='text-align:left;padding:0 8px'>1</td>"
             in _value(m), what="(table shows rank 1)")
+    for m in io.seen:   # the widget opened under the running cell
+        if m["msg_type"] == "comm_open":
+            st = m["content"]["data"]["state"]
+            comms[(st["_model_name"], st.get("description", ""))] = m["content"]["comm_id"]
+    shown = io.wait(lambda m: m["parent_header"].get("msg_id") == cell and m["msg_type"] == "display_data"
+                    and "application/vnd.jupyter.widget-view+json" in m["content"]["data"], what="(widget)")
     note = io.wait(lambda m: m["parent_header"].get("msg_id") == cell and m["msg_type"] == "stream",
                    what="(the cell says who drives the rank)")["content"]["text"]
     assert "rank 1 paused at <In [" in note and "the debugger widget drives it" in note
+    before = len(io.seen)
     send("TextModel", "command", {"method": "update", "state": {"value": "p x"}, "buffer_paths": []})
     click("send")
     io.wait(lambda m: "(rank 1 pdb) p x\n10\n" in _value(m), what="(rank 1's pane shows p x)")
+    states = [m["content"]["execution_state"] for m in io.seen[before:] if m["msg_type"] == "status"]
+    assert "idle" not in states, states   # JupyterLab's indicator stays busy while the cell runs
     click("continue")
+    settled = io.wait(lambda m: m["parent_header"].get("msg_id") == cell and m["msg_type"] == "update_display_data",
+                      what="(the widget became text)")
+    assert settled["content"]["transient"]["display_id"] == shown["content"]["transient"]["display_id"]
+    assert settled["content"]["data"] == {"text/plain": "mesh debugger: drove rank 1 in this cell (the widget "
+                                                        "closed when the cell ended)"}
     done = io.wait(lambda m: m["parent_header"].get("msg_id") == cell and m["msg_type"] == "execute_result",
                    what="(the cell finished)")
     assert values(done["content"]["data"]["text/plain"]) == ["0", "11", "20"]
-    click("close")   # the next cells use the text console again
+    assert "debugger console on" in k.ok("%mesh debug console").stdout   # the next cells use the console
     assert "no rank is paused" in k.ok("%mesh debug list").stdout

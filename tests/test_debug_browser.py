@@ -11,22 +11,12 @@ it can); skips, saying which is missing, otherwise.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from kernel_harness import ensure_kernelspec, home_processes
+from lab_harness import READY, browser, jupyter_lab, needs_chromium, write_notebook
 
-CHROMIUM = "/usr/bin/chromium"
 MESH = "kt-debug-browser"
 CELLS = [
     f"%mesh connect {MESH} --procs 2",
@@ -35,84 +25,15 @@ CELLS = [
     f"%mesh stop {MESH}",
 ]
 
-pytestmark = [
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no Chromium at {CHROMIUM} (scripts/setup.sh "
-                                                            "installs it with apt-get when it can)"),
-]
-
-
-def _notebook(path: Path) -> None:
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
-             for src in CELLS]
-    nb = {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
-          "metadata": {"kernelspec": {"name": "monarch", "display_name": "Monarch (Python 3)", "language": "python"}}}
-    path.write_text(json.dumps(nb))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [needs_chromium]
 
 
 @pytest.fixture
 def lab(tmp_path):
-    ensure_kernelspec()
-    root = tmp_path / "root"
-    root.mkdir()
-    _notebook(root / "debug.ipynb")
-    home = tempfile.mkdtemp(prefix="mk-browser-test-")
-    port, token = _free_port(), "debugtest"
-    env = {**os.environ, "MONARCH_KERNEL_HOME": home, "MONARCH_KERNEL_PREWARM": "0",
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
-    jupyter = str(Path(sys.executable).parent / "jupyter")
-    log = open(tmp_path / "lab.log", "w")
-    proc = subprocess.Popen(
-        ["timeout", "600", jupyter, "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={root}",
-         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         "--LabApp.expose_app_in_browser=True"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail(f"JupyterLab did not start: {(tmp_path / 'lab.log').read_text()[-2000:]}")
-                time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}/lab/tree/debug.ipynb?token={token}"
-    finally:
-        proc.send_signal(signal.SIGTERM)   # `timeout` passes it on; the server shuts its kernels down
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        _stop_leftovers(home)
-
-
-def _stop_leftovers(home: str) -> None:
-    """The notebook's last cell stops the mesh; if the test failed before it, stop it here."""
-    left = home_processes(home)
-    deadline = time.monotonic() + 8
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = home_processes(home)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    shutil.rmtree(home, ignore_errors=True)
-
-
-READY = """() => {
-  const app = window.jupyterapp; const w = app && app.shell.currentWidget;
-  const ctx = w && w.sessionContext; const k = ctx && ctx.session && ctx.session.kernel;
-  return !!(ctx && ctx.isReady && k && k.connectionStatus === 'connected' && k.status === 'idle');
-}"""
+    (tmp_path / "root").mkdir()
+    write_notebook(tmp_path / "root" / "debug.ipynb", CELLS)
+    with jupyter_lab(tmp_path, "debug.ipynb") as (url, _home):
+        yield url
 
 
 @pytest.mark.timeout(300)
@@ -122,11 +43,7 @@ def test_widget_in_jupyterlab_drives_a_paused_rank_until_the_cell_finishes(lab, 
     shots = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS", tmp_path))
     shots.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium"), executable_path=CHROMIUM, headless=True,
-            viewport={"width": 1280, "height": 1000},
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        ctx = browser(p, tmp_path)
         try:
             page = ctx.pages[0] if ctx.pages else ctx.new_page()
             page.goto(lab)

@@ -17,9 +17,18 @@ def k():
     try:
         r = h.ok(f"%mesh connect {MESH} --procs 4", timeout=120)
         assert "4 procs (gpus=4) started" in r.stdout
+        h.connect_reply = r
         yield h
     finally:
         h.close(stop_meshes=(MESH,))
+
+
+def test_connect_progress_bar_becomes_a_plain_line_when_done(k):
+    bar, = k.connect_reply.data("display_data")
+    assert "application/vnd.jupyter.widget-view+json" in bar["data"]   # a widget while procs start
+    line, = k.connect_reply.data("update_display_data")
+    assert line["transient"]["display_id"] == bar["transient"]["display_id"]
+    assert line["data"] == {"text/plain": "starting 4 procs"}   # ... and no widget left to save
 
 
 # ----------------------------------------------------------------------- values and state

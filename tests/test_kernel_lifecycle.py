@@ -47,7 +47,7 @@ def test_default_name_comes_from_the_notebook_and_the_agent_is_prewarmed(k):
     r = k.ok("%mesh connect --procs 2", timeout=120)
     assert f"mesh '{name}': 2 procs (gpus=2) started" in r.stdout
     # the widget progress bar was shown while the procs started
-    assert any("IntProgress" in d["data"]["text/plain"] for d in r.data("display_data"))
+    assert any("application/vnd.jupyter.widget-view+json" in d["data"] for d in r.data("display_data"))
 
 
 def test_restart_reattaches_with_namespaces_and_actors_kept(k):

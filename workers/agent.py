@@ -77,6 +77,12 @@ class HostAgent:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Before any MAC is checked: a frame over MAX_MESSAGE_BYTES drops its connection
+        # instead of being allocated, and a connection that does not finish the ZMTP
+        # handshake within 2 s is closed (idle unauthenticated sockets do not pile up).
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, 2000)
+        _raise_fd_limit()
         if a.port:
             self.router.bind(f"tcp://{a.bind}:{a.port}")
         else:
@@ -515,6 +521,23 @@ class HostAgent:
                 pass
         self.router.close(0)
         self.ctx.term()
+
+
+# Agent messages are small (a sync batch is ~1 MiB; a plan of 100,000 files ~10 MiB).
+MAX_MESSAGE_BYTES = int(os.environ.get("MONARCH_KERNEL_AGENT_MAX_MESSAGE", str(32 << 20)))
+
+
+def _raise_fd_limit():
+    """Use the hard fd limit: many connections (procs, controllers, strays) must not starve
+    the agent of the fds it needs to fork and sync."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 20), hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _kill(pid, sig):

@@ -166,6 +166,7 @@ class Runtime:
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
         self.inbox.bind(f"tcp://{bind_host}:*")
         self.address = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
         # Peers on this host reach the inbox over ipc (an abstract socket: no file to leak,

@@ -1,6 +1,7 @@
 """``%mesh debug``: the debugger widget, and its text commands for use outside a running cell.
 
     %mesh debug                       the widget: paused ranks, command box, panes, buttons
+    %mesh debug console               back to the text console in the running cell
     %mesh debug list                  the paused ranks (also those paused while detached)
     %mesh debug attach RANK           the text console on RANK (until none is paused, or detach)
     %mesh debug cast RANKS CMD ...    one pdb command to several ranks (ranks(1,3), 0:4:2, gpus=1:3)
@@ -10,9 +11,10 @@
 
 Imported by ``%mesh`` (``OPTIONAL_COMMANDS``) when the extension loads, which also hooks the
 console into ``%%on_mesh`` waits (``jupyter.on_mesh.WAIT_HOOKS``): when a rank pauses while
-a cell runs, the cell becomes the console, unless a debugger widget is shown: then the
-widget drives the ranks (the kernel keeps handling its messages while the awaited
-``%%on_mesh`` cell runs) and the cell says so once per pause.
+a cell runs, the cell becomes the console, unless ``%mesh debug`` turned the widget on:
+then a widget opens under that cell and drives the ranks (the kernel keeps handling its
+messages while the awaited ``%%on_mesh`` cell runs); when the cell ends the widget becomes
+a line of text (jupyter/transient.py), so a saved notebook holds no dead widget.
 """
 from __future__ import annotations
 
@@ -24,14 +26,15 @@ from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
 from .console import console, table
 from .registry import DebugError, registry
 
-ACTIONS = ("list", "attach", "cast", "continue", "dap")
+ACTIONS = ("list", "attach", "cast", "continue", "dap", "console")
 
 parser = mesh_parser(
     "debug", "ranks paused in breakpoint(): the debugger widget, or list / attach / cast / continue",
-    usage="%mesh debug [list | attach RANK | cast RANKS CMD | continue [RANKS] | dap [RANK|off]] "
+    usage="%mesh debug [list | attach RANK | cast RANKS CMD | continue [RANKS] | dap [RANK|off] | console] "
           "[--post-mortem on|off]")
 parser.add_argument("action", nargs="?", choices=ACTIONS, metavar="ACTION",
-                    help="list, attach RANK, cast RANKS CMD, continue [RANKS], dap RANK|off; none: show the widget")
+                    help="list, attach RANK, cast RANKS CMD, continue [RANKS], dap RANK|off, console; "
+                         "none: the widget")
 parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS")
 parser.add_argument("--post-mortem", choices=("on", "off"),
                     help="on: a rank whose cell or endpoint raises stops in the debugger at the raise")
@@ -59,9 +62,20 @@ def debug(ctx, args):
         reg.refresh(procs)
     try:
         if args.action is None:
-            from .widget import DebuggerWidget
+            from .widget import DebuggerWidget, WidgetMode
 
-            return DebuggerWidget(reg).show()
+            WidgetMode.on = True
+            if reg.paused():   # paused outside a running cell: the widget goes here
+                DebuggerWidget(reg).display()
+            else:
+                print("debugger widget on: it opens under the cell whose ranks pause in breakpoint(), and "
+                      "becomes a line of text when that cell ends (`%mesh debug console` for the text console)")
+            return None
+        if args.action == "console":
+            from .widget import WidgetMode
+
+            WidgetMode.on = False
+            print("debugger console on: a cell whose ranks pause becomes their pdb console")
         if args.action == "list":
             print(table(reg.paused()))
         elif args.action == "attach":
@@ -125,11 +139,14 @@ def on_mesh_tick(run) -> None:
     c = console()
     if not c.wanted():
         return
-    from .widget import widget_shown
+    from .widget import DebuggerWidget, WidgetMode, widget_shown
 
     if run.capture is not None:
         run.capture.go_live()   # what the ranks printed before they paused comes first
-    if widget_shown():
+    if WidgetMode.on or widget_shown():
+        if WidgetMode.on and getattr(run, "debugger_widget", None) is None:
+            run.debugger_widget = DebuggerWidget(reg)
+            run.debugger_widget.display()
         if reg.pauses > _announced:
             _announced = reg.pauses
             for s in reg.paused():
@@ -139,6 +156,17 @@ def on_mesh_tick(run) -> None:
     c.run(on_interrupt=lambda: run.interrupt("interrupted"))
 
 
+def on_mesh_done(run) -> None:
+    """DONE_HOOKS entry: the cell ended; its widget becomes a line of text."""
+    w = getattr(run, "debugger_widget", None)
+    if w is not None and w.open:
+        ranks = sorted(w.texts)
+        w.close(summary=f"mesh debugger: drove rank{'s' if len(ranks) != 1 else ''} "
+                        f"{', '.join(map(str, ranks))} in this cell (the widget closed when the cell ended)")
+
+
+if on_mesh_done not in on_mesh.DONE_HOOKS:
+    on_mesh.DONE_HOOKS.append(on_mesh_done)
 if on_mesh_tick not in on_mesh.WAIT_HOOKS:
     on_mesh.WAIT_HOOKS.append(on_mesh_tick)
 _install_dap()

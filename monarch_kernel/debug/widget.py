@@ -1,7 +1,10 @@
 """The debugger widget (ipywidgets): shows the registry, sends commands; no logic of its own.
 
 Live table of paused ranks, a rank selector, a command box, buttons (continue, step,
-next, up, down, where, continue all) and one output pane per rank. The registry calls
+next, up, down, where, continue all) and an output pane with a button per rank: choosing
+ranks in the list shows the first one's pane, which opens scrolled to its newest line.
+Shown as a transient widget (jupyter/transient.py): closed, or at kernel shutdown, it
+leaves a line of text, so a saved notebook holds no dead widget. The registry calls
 ``_changed`` from whichever thread read the rank's message (usually the runtime's I/O
 thread); widget state goes out on iopub, which ipykernel makes safe from any thread.
 Button clicks and the command box arrive as comm messages, which ipykernel 7 dispatches
@@ -23,6 +26,14 @@ BUTTONS = (("continue", "continue"), ("step", "step"), ("next", "next"), ("up", 
            ("where", "where"))
 
 
+class WidgetMode:
+    """``%mesh debug`` turns it on: ranks paused while a cell runs get a widget under that
+    cell (settled into a line of text when the cell ends, so no widget is left behind);
+    ``%mesh debug console`` or the widget's close button turn it off."""
+
+    on = False
+
+
 def widget_shown() -> bool:
     """Is a debugger widget shown (and not closed) in this kernel?"""
     return any(w.open for w in list(_SHOWN))
@@ -34,20 +45,24 @@ class DebuggerWidget:
         self.open = True
         self._lock = threading.RLock()
         self.texts: dict[int, str] = {}      # rank -> its pane's text (kept after it resumes)
-        self.panes: dict[int, W.HTML] = {}
+        self.pane = W.HTML()
+        self.pane_rank = W.ToggleButtons(options=[], description="output", style={"button_width": "110px"})
+        self.shown = None   # the TransientWidget once displayed
         self.title = W.HTML()
         self.table = W.HTML()
         self.ranks = W.SelectMultiple(options=[], rows=4, description="ranks",
                                       layout=W.Layout(width="420px"))
         self.command = W.Text(placeholder="pdb command for the selected ranks, e.g. p x",
-                              description="command", continuous_update=False, layout=W.Layout(width="420px"))
+                              description="command", layout=W.Layout(width="420px"))
+        # continuous_update (the default): the box's value reaches the kernel as it is typed,
+        # so Enter's submit finds it there (with False it arrived after the submit)
         self.send_btn = W.Button(description="send", button_style="primary")
         self.buttons = [W.Button(description=label, tooltip=f"{cmd} on the selected ranks")
                         for label, cmd in BUTTONS]
         self.all_btn = W.Button(description="continue all", button_style="warning")
-        self.close_btn = W.Button(description="close", tooltip="close the widget (the cell becomes the console)")
+        self.close_btn = W.Button(description="close", tooltip="close the widget (the cell becomes the console; "
+                                                               "`%mesh debug` brings the widget back)")
         self.status = W.HTML()
-        self.tabs = W.Tab()
         self.send_btn.on_click(lambda _: self.send(self.command.value))
         self.command.on_submit(lambda _: self.send(self.command.value))
         for (_, cmd), b in zip(BUTTONS, self.buttons, strict=True):
@@ -59,8 +74,10 @@ class DebuggerWidget:
             W.HBox([self.ranks]),
             W.HBox([self.command, self.send_btn]),
             W.HBox([*self.buttons, self.all_btn, self.close_btn]),
-            self.status, self.tabs,
+            self.status, self.pane_rank, self.pane,
         ])
+        self.ranks.observe(self._ranks_chosen, names="value")
+        self.pane_rank.observe(lambda _: self._render(), names="value")
         self.box.add_class("monarch-debugger")
         for s in reg.paused():
             self.texts[s.rank] = s.output
@@ -71,10 +88,19 @@ class DebuggerWidget:
     def show(self):
         return self.box
 
-    def _ipython_display_(self):
-        from IPython.display import display
+    def display(self) -> None:
+        """Show the widget under the running cell (it becomes text when closed)."""
+        from monarch_kernel.jupyter.transient import TransientWidget
 
-        display(self.box)
+        self.shown = TransientWidget(self.box, "mesh debugger (a widget: shown while the kernel runs)")
+
+    def _ipython_display_(self):
+        self.display()
+
+    def _ranks_chosen(self, change) -> None:
+        chosen = [r for r in change["new"] if r in self.texts]
+        if chosen and self.pane_rank.value != chosen[0]:
+            self.pane_rank.value = chosen[0]
 
     # ---------------------------------------------------------------- actions (kernel main thread)
     def selected(self) -> list[PausedSession]:
@@ -113,10 +139,17 @@ class DebuggerWidget:
         else:
             self._say("no rank is paused in the debugger", error=True)
 
-    def close(self) -> None:
+    def close(self, summary: str | None = None) -> None:
+        """The close button (the text console takes over), or the end of the cell the
+        widget was opened under (``summary``: the line that replaces it)."""
+        if summary is None:
+            WidgetMode.on = False
         self.open = False
         if self._changed in self.reg.listeners:
             self.reg.listeners.remove(self._changed)
+        if self.shown is not None:
+            self.shown.settle(summary or "mesh debugger closed: the cell is the debugger console now "
+                              "(`%mesh debug` brings the widget back)")
         self.box.close()
 
     def _say(self, text: str, error: bool = False) -> None:
@@ -143,22 +176,25 @@ class DebuggerWidget:
                 keep = tuple(r for r in self.ranks.value if r in {s.rank for s in paused})
                 self.ranks.options = opts
                 self.ranks.value = keep
-            for rank, text in sorted(self.texts.items()):
-                pane = self.panes.get(rank)
-                value = f'<pre class="monarch-debugger-pane" style="max-height:300px;overflow:auto">' \
-                        f"{html.escape(text[-20000:])}</pre>"
-                if pane is None:
-                    pane = self.panes[rank] = W.HTML(value)
-                elif pane.value != value:
-                    pane.value = value
-            ranks = sorted(self.panes)
-            children = tuple(self.panes[r] for r in ranks)
-            if self.tabs.children != children:
-                self.tabs.children = children
+            ranks = sorted(self.texts)
             live = {s.rank for s in paused}
-            titles = tuple(f"rank {r}" + ("" if r in live else " (running)") for r in ranks)
-            if tuple(self.tabs.titles) != titles:
-                self.tabs.titles = titles
+            opts = [(f"rank {r}" + ("" if r in live else " (running)"), r) for r in ranks]
+            if list(self.pane_rank.options) != opts:
+                keep = self.pane_rank.value if self.pane_rank.value in self.texts else None
+                self.pane_rank.options = opts
+                self.pane_rank.value = keep if keep is not None else (ranks[0] if ranks else None)
+            rank = self.pane_rank.value
+            value = "" if rank is None else _pane_html(rank, self.texts.get(rank, ""))
+            if self.pane.value != value:
+                self.pane.value = value
+
+
+def _pane_html(rank: int, text: str) -> str:
+    """A rank's debugger output; column-reverse makes the scroll box start at its bottom,
+    so the newest line is in view without any script."""
+    return (f'<div style="max-height:300px;overflow:auto;display:flex;flex-direction:column-reverse">'
+            f'<pre class="monarch-debugger-pane" data-rank="{rank}" style="margin:0">'
+            f"{html.escape(text[-20000:])}</pre></div>")
 
 
 def _table_html(paused: list[PausedSession]) -> str:

@@ -37,6 +37,15 @@ _PDBPP = hasattr(pdb, "DefaultConfig")
 SKIP = ["monarch_kernel.*", "workers.*", "asyncio.*"]   # module patterns pdb never stops in
 
 
+_INTERNAL = ("monarch_kernel.", "workers.", "runpy", "threading", "asyncio.", "concurrent.futures.")
+
+
+def _internal(frame) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return name in ("__main__", "runpy", "threading") or name.startswith(_INTERNAL) or \
+        frame.f_code.co_filename.startswith("<frozen ")
+
+
 class _Config(pdb.DefaultConfig if _PDBPP else object):
     """No colours or terminal tricks: the output goes to a notebook, not a tty."""
 
@@ -95,6 +104,16 @@ class MeshPdb(pdb.Pdb):
         self.dbg = dbg
         self.left = False          # continue/quit: the rank runs freely again
         self.interrupted = False   # SIGINT at the prompt: leave, then raise KeyboardInterrupt
+
+    def get_stack(self, f, t):
+        """The stack without our own machinery below the user's code (runpy, the zygote,
+        the proc loop, the cell runner): ``where`` starts at the cell or endpoint, and
+        ``up`` stops there."""
+        stack, idx = super().get_stack(f, t)
+        k = 0
+        while k < idx and _internal(stack[k][0]):
+            k += 1
+        return stack[k:], idx - k
 
     def set_continue(self):
         self.left = True

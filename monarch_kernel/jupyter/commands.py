@@ -65,12 +65,18 @@ def connect(ctx, args):
 
     job = job_from_args(ctx.shell.user_ns, args, lease)
     t0 = time.perf_counter()
-    pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=_progress(ctx), job=job,
-                                      job_progress=job_progress() if job is not None else None)
+    progress = ConnectProgress(ctx)
+    try:
+        pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=progress.update, job=job,
+                                          job_progress=job_progress() if job is not None else None)
+    except BaseException:
+        progress.done()
+        raise
     took = time.perf_counter() - t0
     name = ctx.session.name
     dims = ", ".join(f"{k}={v}" for k, v in pm.sizes.items())
     how = "started" if spawned else "re-attached (namespaces and actors kept)"
+    progress.done()
     where = f" on {job.kind} job {job.job_id}" if job is not None else ""
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     dead = pm.dead_ranks()
@@ -95,34 +101,41 @@ def _connect_dist(pm: ProcMesh, backend: str) -> None:
           f"(collective timeout {g.timeout_s:g} s); cells can use DDP, FSDP and DTensor as under torchrun")
 
 
-def _progress(ctx):
-    """A progress bar while procs start: a widget in a notebook, text elsewhere."""
-    kernel = getattr(ctx.shell, "kernel", None)
-    state: dict = {}
+class ConnectProgress:
+    """A progress bar while procs start (a widget in a notebook, a line elsewhere). When
+    connect ends the bar becomes its own plain line, ``starting N procs`` (transient.py):
+    no widget is left in a saved notebook, and the line reads the same before and after
+    (nbval compares the first form with the saved one)."""
 
-    def update(ready: int, total: int):
-        bar = state.get("bar")
-        if bar is None:
-            if kernel is not None:
+    def __init__(self, ctx):
+        self.kernel = getattr(ctx.shell, "kernel", None)
+        self.bar = None
+        self.shown = None
+        self.line = ""
+
+    def update(self, ready: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = False
+            self.line = f"starting {total} procs"
+            if self.kernel is not None:
                 try:
                     import ipywidgets
-                    from IPython.display import display
 
-                    bar = state["bar"] = ipywidgets.IntProgress(value=0, min=0, max=total,
-                                                                description="procs")
-                    display(bar)
+                    from .transient import TransientWidget
+
+                    self.bar = ipywidgets.IntProgress(value=0, min=0, max=total, description="procs")
+                    self.shown = TransientWidget(self.bar, self.line)
                 except Exception:
-                    bar = state["bar"] = False
-            else:
-                bar = state["bar"] = False
-                print(f"starting {total} procs...", flush=True)
-        if bar:
-            bar.value = ready
-            bar.description = f"{ready}/{total}"
-            if ready >= total:
-                bar.bar_style = "success"
+                    self.bar = False
+            if not self.bar:
+                print(f"{self.line}...", flush=True)
+        if self.bar:
+            self.bar.value = ready
+            self.bar.description = f"{ready}/{total}"
 
-    return update
+    def done(self) -> None:
+        if self.shown is not None:
+            self.shown.settle(self.line)
 
 
 # ----------------------------------------------------------------------- status / list

@@ -6,7 +6,8 @@ debugger. At start it loads ``%load_ext monarch_kernel`` and, unless
 ``MONARCH_KERNEL_PREWARM=0``, starts (or attaches to) the notebook's default mesh agent
 and its warm zygote in the background, so ``%mesh connect`` does not wait for Python and
 torch to import. On shutdown or restart, meshes with procs are left running (detached,
-kept for their lease); an agent that was only prewarmed is stopped.
+kept for their lease); an agent that was only prewarmed is stopped, and widgets still
+shown become a line of text (transient.py).
 """
 from __future__ import annotations
 
@@ -27,13 +28,39 @@ class MonarchKernel(IPythonKernel):
     # JupyterLab's debugger panel can drive one rank (`%mesh debug dap RANK`, debug/dap.py)
     debugger_class = Type("monarch_kernel.debug.dap.MonarchDebugger")
 
+    _COMM_MSGS = frozenset({"comm_open", "comm_msg", "comm_close"})
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        self._cells_running = 0
         self.shell.extension_manager.load_extension("monarch_kernel")
         if os.environ.get("MONARCH_KERNEL_PREWARM", "1") != "0":
             session().prewarm()
 
+    async def execute_request(self, stream, ident, parent):
+        self._cells_running += 1
+        try:
+            return await super().execute_request(stream, ident, parent)
+        finally:
+            self._cells_running -= 1
+
+    def _publish_status(self, status, channel, parent=None):
+        """A widget's comm message handled while a cell runs (the debugger widget drives the
+        ranks that cell paused) says nothing of the kernel's state: its busy/idle pair
+        would show JupyterLab's indicator idle while the cell still runs."""
+        if self._cells_running and status in ("busy", "idle"):
+            msg = parent or self.get_parent(channel)
+            if (msg or {}).get("header", {}).get("msg_type") in self._COMM_MSGS:
+                return
+        super()._publish_status(status, channel, parent)
+
     def do_shutdown(self, restart):
+        try:   # no widget of ours is left in the notebook to break once the kernel is gone
+            from .transient import settle_all
+
+            settle_all("(widget closed: the kernel was " + ("restarted)" if restart else "shut down)"))
+        except Exception as e:
+            self.log.warning("replacing widgets by text failed: %s", e)
         try:
             session().shutdown_kernel()
         except Exception as e:

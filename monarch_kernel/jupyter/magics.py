@@ -235,6 +235,7 @@ class MeshMagics(Magics):
             self._keep_partial(args, e)
             raise
         finally:
+            run.done()
             self.router.end(cap)
         return self._result(args, run, values)
 
@@ -252,6 +253,7 @@ class MeshMagics(Magics):
             self._keep_partial(args, e)
             raise
         finally:
+            run.done()
             self.router.end(cap)
         return self._result(args, run, values)
 

@@ -12,7 +12,9 @@ for every rank to report back; the mesh stays usable.
 
 ``WAIT_HOOKS``: callables ``hook(run)`` called on every tick (about 10 per second) while a
 cell runs, on the kernel's main thread, where blocking ``input()`` works. The debugger
-(issue 5) uses it to notice ranks paused in ``breakpoint()`` and open its console.
+(issue 5) uses it to notice ranks paused in ``breakpoint()`` and open its console;
+``DONE_HOOKS`` are called when the cell ends, before its reply (the debugger widget opened
+under the cell becomes text there).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .display import CellInterrupted, CellValues, cell_error
 TICK_S = 0.1
 STOP_GRACE_S = 2.0
 WAIT_HOOKS: list[Callable[[_Run], None]] = []
+DONE_HOOKS: list[Callable[[_Run], None]] = []   # hook(run) when the cell ended, still in it
 # CELL_NAMERS: ``namer(body) -> (filename, lines_before_body) | None``; the first answer names
 # the cell's code on the ranks (debug/dap.py: the file JupyterLab's debugger knows the cell by).
 CELL_NAMERS: list[Callable[[str], tuple[str, int] | None]] = []
@@ -82,6 +85,7 @@ class _Run:
         self.future = getattr(target, method).call(*args)
         self.interrupted_at: float | None = None
         self.reason = ""
+        self.debugger_widget = None   # set by the debugger's wait hook when it opens one here
         self._last_interrupt = 0.0
 
     def interrupt(self, reason: str) -> None:
@@ -106,6 +110,13 @@ class _Run:
                 hook(self)
         elif now - self._last_interrupt >= 0.2:
             self._send_interrupt()
+
+    def done(self) -> None:
+        for hook in DONE_HOOKS:
+            try:
+                hook(self)
+            except Exception as e:   # a broken hook must not lose the cell's result
+                print(f"monarch_kernel: {hook.__name__} failed: {e}")
 
     def gave_up(self) -> bool:
         return self.interrupted_at is not None and time.monotonic() - self.interrupted_at > STOP_GRACE_S

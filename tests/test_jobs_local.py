@@ -126,7 +126,7 @@ def test_process_job_as_monarch_examples_call_it_with_several_meshes_env_and_no_
         assert trainers.sizes == {"hosts": 2, "gpus": 1} and loaders.sizes == {"hosts": 1, "gpus": 1}
         assert trainers.spawn("env", Env).get.call("MK_JOB_TEST").get(timeout=30).values() == ["yes", "yes"]
         with pytest.raises(AttributeError, match="the job has no mesh 'learners'; its meshes: dataloaders, trainers"):
-            state.learners
+            _ = state.learners
     finally:
         job.kill()
 

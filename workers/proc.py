@@ -304,10 +304,16 @@ class ProcWorker:
     def _init_failed(self, aid, name, owner, reply_to, call_id, err: ActorError) -> None:
         """The spawner's future fails (the controller reports it from there); a spawning
         actor's ``__supervise__`` hears of it too."""
-        self.failed[aid] = (name, f"its __init__ failed: {err.message}", err)
+        self._gone(aid, name, f"its __init__ failed: {err.message}", err)
         self._reply(reply_to, call_id, False, err)
         if owner is not None:
             self._tell_owner(owner, aid, self._failure(name, f"actor failed to start: {err.message}"), err)
+
+    def _gone(self, aid, name, why, err) -> None:
+        """Remember why an actor is gone, so later calls say so (the last 1000)."""
+        self.failed[aid] = (name, why, err)
+        if len(self.failed) > 1000:
+            del self.failed[next(iter(self.failed))]
 
     def _failure(self, name: str, reason: str) -> MeshFailure:
         return MeshFailure(name, self.rank, self.host, os.getpid(), reason, self.proc_key)
@@ -378,7 +384,7 @@ class ProcWorker:
         slot = self.actors.pop(aid, None)
         if slot is None:
             return
-        self.failed[aid] = (slot.name, f"it failed: {err.message}", err)
+        self._gone(aid, slot.name, f"it failed: {err.message}", err)
         self._cleanup(slot, exc if isinstance(exc, Exception) else None)
         failure = self._failure(slot.name, f"actor failed: {err.message}")
         self._tell_owner(slot.owner, aid, failure, err, seen)
@@ -420,7 +426,7 @@ class ProcWorker:
         slot = self.actors.pop(aid, None)
         self.owned.pop(aid, None)
         if slot is not None:
-            self.failed[aid] = (slot.name, f"it was stopped ({reason})", None)
+            self._gone(aid, slot.name, f"it was stopped ({reason})", None)
             self._cleanup(slot, None)
         if len(msg) > 4 and msg[4]:
             self._reply(msg[3], msg[4], True, None)

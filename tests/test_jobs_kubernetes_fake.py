@@ -97,15 +97,17 @@ def test_fake_cluster_attach_only_finds_running_pods_by_monarch_labels_in_pod_in
     api.create_namespaced_secret("default", client.V1Secret(
         metadata=client.V1ObjectMeta(name="monarch-worker-key"), data={"key": base64.b64encode(key.encode()).decode()}))
     for index in (1, 0):   # created out of order: rank comes from the pod-index label
+        # pod 1's agent binds every interface and must still advertise an address we can reach
+        bind = ["--bind", "0.0.0.0"] if index else ["--bind", "$(POD_IP)"]
         api.create_namespaced_pod("default", client.V1Pod(
             metadata=client.V1ObjectMeta(name=f"trainer-{index}", labels={
                 "app.kubernetes.io/name": "monarch-worker", "monarch.pytorch.org/mesh-name": "trainer",
                 "apps.kubernetes.io/pod-index": str(index)}),
             spec=client.V1PodSpec(containers=[client.V1Container(
                 name="worker", image="fake/monarch:1",
-                command=["python", "-m", "workers.agent", "--bind", "$(POD_IP)", "--port", "26600", "--persistent"],
-                env=[client.V1EnvVar(name="POD_IP", value_from=client.V1EnvVarSource(
-                         field_ref=client.V1ObjectFieldSelector(field_path="status.podIP"))),
+                command=["python", "-m", "workers.agent", *bind, "--port", "26600", "--persistent"],
+                env=[*([] if index else [client.V1EnvVar(name="POD_IP", value_from=client.V1EnvVarSource(
+                         field_ref=client.V1ObjectFieldSelector(field_path="status.podIP")))]),
                      client.V1EnvVar(name="MONARCH_KERNEL_KEY", value_from=client.V1EnvVarSource(
                          secret_key_ref=client.V1SecretKeySelector(name="monarch-worker-key", key="key")))])])))
     job = KubernetesJob(kubeconfig=k8s.kubeconfig).add_mesh(

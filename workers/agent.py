@@ -88,6 +88,11 @@ class HostAgent:
         else:
             self.router.bind(f"tcp://{a.bind}:*")
         self.addr = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        if a.bind in _WILDCARDS:
+            # Bound to every interface (as a pod's agent may be): tell peers, and bind our
+            # procs to, an address they can reach, never 0.0.0.0.
+            self.bind_host = _reachable_ip()
+            self.addr = self.addr.replace(f"//{a.bind}:", f"//{self.bind_host}:", 1)
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[str, dict] = {}        # spawn id -> {ident, req, keys}
@@ -538,6 +543,30 @@ def _raise_fd_limit():
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 20), hard))
         except (ValueError, OSError):
             pass
+
+
+_WILDCARDS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def _reachable_ip() -> str:
+    """This host's address for peers: $POD_IP (Kubernetes' downward API), else what the
+    host name resolves to, else the first non-loopback IPv4 address of an interface."""
+    ip = os.environ.get("POD_IP") or os.environ.get("MONARCH_KERNEL_ADVERTISE")
+    if ip:
+        return ip
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        if not ip.startswith("127."):
+            return ip
+    except OSError:
+        pass
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return "127.0.0.1"
 
 
 def _kill(pid, sig):

@@ -84,3 +84,13 @@ def test_logs_follow_prints_new_lines_until_interrupted(k):
     assert r.status == "ok" and "(stopped following)" in r.stdout
     lines = [ln for ln in r.stdout.splitlines() if re.match(r"\d\d:", ln)]
     assert {"[rank 0] tick 1 on 0", "[rank 1] tick 1 on 1"} <= {ln.split(" ", 1)[1] for ln in lines}
+
+
+def test_cells_table_records_each_rank_s_cells_and_failures(k):
+    k.ok("%%on_mesh\nmarker_ok = rank")
+    k.run("%%on_mesh\nif rank == 1: raise ValueError('bad rank')")
+    time.sleep(1.5)   # the agents collect cell records once a second
+    rows = k.value("[tuple(r) for r in mesh.telemetry.query('select rank, cell, ok from cells order by time')"
+                   "][-4:]")
+    assert sorted((r[0], r[2]) for r in rows[-2:]) == [(0, 1), (1, 0)]   # the failing cell: rank 1 not ok
+    assert all(r[1].endswith("on mesh>") for r in rows)

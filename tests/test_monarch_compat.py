@@ -232,7 +232,8 @@ def test_a_broadcast_raise_fails_the_actor_and_goes_to_a_replaced_unhandled_faul
         w.slice(gpus=1).boom.broadcast()
         _eventually(lambda: _nonempty(seen))
         assert isinstance(seen[0], MeshFailure) and "boom on purpose" in str(seen[0])
-        assert seen[0].mesh == "w" and seen[0].rank == 1
+        assert seen[0].mesh == seen[0].mesh_name == "w" and seen[0].rank == 1
+        assert "boom on purpose" in seen[0].report()
         # cleanup got Monarch's argument: the exception
         assert "ValueError('boom on purpose')" in (tmp_path / "cleanup-1").read_text()
         assert w.slice(gpus=0).bump.call_one().get(30) == 1      # rank 0 lives on
@@ -437,5 +438,8 @@ def test_a_notebook_cell_that_spawns_shows_a_failed_init_under_itself():
         assert "init fails on purpose" in r.error["evalue"]
         assert k.ok("procs.spawn('good', Actor).initialized.get(30)").error == {}   # not raised again
         assert k.ok("procs.stop()").outputs == []   # a Future for Monarch code, silent as a cell's value
+        # spawn_procs() defaults to Monarch's one proc per host; %mesh connect keeps one per core here
+        n = os.cpu_count()
+        assert f"{n} procs (gpus={n}) started" in k.ok("%mesh connect compat-nb", timeout=120).stdout
     finally:
-        k.close()
+        k.close(stop_meshes=("compat-nb",))

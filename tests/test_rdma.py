@@ -336,3 +336,17 @@ def test_ibverbs_path_on_a_fake_verbs_layer_reads_writes_and_sees_drops(nodes, t
         one(nodes, 1).read.call_one(buf, 3000, torch.float32).get()
     for r in (0, 1):
         one(nodes, r).use_fake_verbs.call_one("").get()
+
+
+def test_buffers_still_serve_over_tcp_after_the_runtimes_address_vanished(monkeypatch):
+    """A job's interface torn down after kill() left the controller's runtime on an address
+    no longer on this machine; registering a buffer then failed with EADDRNOTAVAIL."""
+    from monarch_kernel.core.runtime import runtime
+    from monarch_kernel.rdma import tcp
+
+    monkeypatch.setattr(runtime(), "bind_host", "192.0.2.1")   # TEST-NET-1: never assigned here
+    server = tcp.DataServer(registry=None)
+    try:
+        assert server.address.startswith("127.0.0.1:")
+    finally:
+        server.sock.close()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import cloudpickle
@@ -303,3 +304,179 @@ def test_a_spawn_the_host_cannot_hold_is_refused_before_forking_and_the_mesh_kee
             assert _agent_children(hm) == 0
     finally:
         hm.shutdown()
+
+
+# ---------------------------------------------------------------- 6. unauthenticated peers are cheap
+def test_a_huge_frame_and_many_idle_connections_from_a_peer_without_the_key_cost_the_agent_little():
+    import socket
+
+    import psutil
+    import zmq
+
+    hm = this_host("flood-test", lease=60)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        agent = psutil.Process(hm._agents[0]["pid"])
+        rss0, fds0 = agent.memory_info().rss, agent.num_fds()
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(hm._agents[0]["addr"])
+        peak = [rss0]
+        done = threading.Event()
+
+        def watch():   # the frame is freed once dropped: catch the peak while it arrives
+            while not done.is_set():
+                peak[0] = max(peak[0], agent.memory_info().rss)
+                time.sleep(0.005)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        d.send(b"x" * (256 << 20))                           # no key: must not be allocated
+        time.sleep(2)
+        done.set()
+        watcher.join()
+        assert peak[0] - rss0 < 64 << 20, "the agent allocated the unauthenticated frame"
+        host, port = hm._agents[0]["addr"][len("tcp://"):].rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port))) for _ in range(300)]   # idle, no handshake
+        time.sleep(4)
+        assert agent.num_fds() - fds0 < 20, "idle unauthenticated connections still hold the agent's fds"
+        pm = hm.spawn_procs(per_host={"gpus": 1}, name="after-flood")
+        assert pm.spawn("c", Counter).bump.call().get(30).values() == [1]
+    finally:
+        for s in socks:
+            s.close()
+        ctx.destroy(0)
+        hm.shutdown()
+
+
+# ---------------------------------------------------------------- 5. replayed frames are dropped
+class _RecordingProxy:
+    """A ZeroMQ proxy between the controller and an agent that records every message the
+    controller sends: the real frames an eavesdropper on the link would capture."""
+
+    def __init__(self, target: str):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.bind("tcp://127.0.0.1:*")
+        self.addr = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.back = self.ctx.socket(zmq.DEALER)
+        self.back.connect(target)
+        self.sent: list[list[bytes]] = []
+        self.closing = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        ident = None
+        while not self.closing:
+            for sock, _ in poller.poll(50):
+                if sock is self.front:
+                    ident, *frames = self.front.recv_multipart()
+                    self.sent.append(frames)
+                    self.back.send_multipart(frames)
+                else:
+                    self.front.send_multipart([ident, *self.back.recv_multipart()])
+
+    def close(self):
+        self.closing = True
+        self.thread.join(2)
+        self.ctx.destroy(0)
+
+
+def test_a_captured_spawn_replayed_to_the_agent_forks_nothing():
+    import zmq
+
+    from monarch_kernel.actor import attach_to_workers
+    from monarch_kernel.core.connection import new_key
+    from monarch_kernel.launch.local import start_local_agent
+
+    key = new_key()
+    agent, process = start_local_agent(key, name="replay-test", persistent=False, lease=60)
+    proxy = _RecordingProxy(agent["addr"])
+    hm = attach_to_workers([proxy.addr], key, name="replay-test")
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 1}, name="replayed")
+        c = pm.spawn("c", Counter)
+        assert c.bump.call().get(30).values() == [1]
+        captured = list(proxy.sent)               # hello, spawn, register, heartbeats...
+        assert any(b"spawn" in f[0] for f in captured)
+        children = _agent_children_of(process.pid)
+        ctx = zmq.Context()
+        replay = ctx.socket(zmq.DEALER)
+        replay.connect(agent["addr"])
+        for frames in captured:                   # the same frames, from another connection
+            replay.send_multipart(frames)
+        time.sleep(2.0)
+        ctx.destroy(0)
+        assert _agent_children_of(process.pid) == children, "a replayed spawn forked procs"
+        assert c.bump.call().get(30).values() == [2]
+    finally:
+        hm.shutdown()
+        proxy.close()
+        process.wait(10)
+
+
+def _agent_children_of(pid: int) -> int:
+    import psutil
+
+    return len(psutil.Process(pid).children(recursive=True))
+
+
+def test_a_captured_call_replayed_to_the_proc_does_not_run_again(monkeypatch):
+    import zmq
+
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="replay-calls")
+    try:
+        c = pm.spawn("c", Counter)
+        rt = runtime()
+        captured: list[tuple[str, list[bytes]]] = []
+        real_send = rt.send_frames
+
+        def recording_send(addr, frames):   # the frames exactly as they go on the wire
+            captured.append((addr, [bytes(f) for f in frames]))
+            real_send(addr, frames)
+        monkeypatch.setattr(rt, "send_frames", recording_send)
+        assert c.bump.call().get(30).values() == [1]
+        monkeypatch.undo()
+        (addr, frames), = [(a, f) for a, f in captured if a == pm.procs()[0].work]
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.PUSH)
+        s.connect(addr)
+        s.send_multipart(frames)            # the same call, sent again
+        s.send_multipart(frames)
+        time.sleep(1.0)
+        ctx.destroy(2000)
+        assert c.bump.call().get(30).values() == [2], "a replayed call ran again"
+    finally:
+        pm.stop()
+
+
+# ---------------------------------------------------------------- CurveZMQ between hosts
+def test_curve_links_work_and_refuse_a_plain_peer_even_with_a_validly_signed_message():
+    # One host, but every link forced onto tcp with CURVE (as between two hosts).
+    out = _run_script("""
+        import time, zmq
+        from monarch_kernel.actor import Actor, endpoint, this_host
+        from monarch_kernel.core.runtime import runtime
+        class C(Actor):
+            def __init__(self): self.n = 0
+            @endpoint
+            def bump(self): self.n += 1; return self.n
+        pm = this_host().spawn_procs(per_host={"gpus": 2})
+        c = pm.spawn("c", C)
+        print("CALLS", c.bump.call().get(30).values())
+        rt = runtime()
+        ref = pm.procs()[0]
+        frames = rt.pack(pm._state.key, ("call", c._state.id, "bump", (), {}, rt.address, 0, None))
+        ctx = zmq.Context(); s = ctx.socket(zmq.PUSH); s.connect(ref.work.split("?")[0])   # plain ZMTP
+        s.send_multipart(frames); time.sleep(1.0); ctx.destroy(0)
+        print("AFTER", c.bump.call().get(30).values())
+        """, env={"MONARCH_KERNEL_CURVE": "always", "MONARCH_KERNEL_SAME_HOST_IPC": "0"})
+    assert "CALLS [1, 1]" in out and "AFTER [2, 2]" in out, out

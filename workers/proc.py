@@ -21,7 +21,7 @@ import traceback
 import zmq
 
 from monarch_kernel.core import context as context_mod
-from monarch_kernel.core import wire
+from monarch_kernel.core import curve, wire
 from monarch_kernel.core.channels import Port, reply_port
 from monarch_kernel.core.context import _CTX, ActorInstance, Context
 from monarch_kernel.core.endpoint import EXPLICIT_PORT_MARK
@@ -95,8 +95,10 @@ class ProcWorker:
         self.work = rt.ctx.socket(zmq.PULL)
         self.work.setsockopt(zmq.RCVHWM, 0)
         self.work.setsockopt(zmq.LINGER, 0)
-        self.work.bind(f"tcp://{cfg['bind']}:*")
-        self.work_addr = self.work.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.work.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
+        self.work_addr = curve.with_key(curve.bind(self.work, f"tcp://{cfg['bind']}:*",
+                                                   curve.process_keys()[1] if rt.curve_public else None),
+                                        rt.curve_public)
         self.work_ipc = ipc_name("work")
         self.work.bind(self.work_ipc)
         self.busy_call = None   # (reply_to, call_id) of what the main thread runs now
@@ -203,7 +205,8 @@ class ProcWorker:
     def serve(self) -> int:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
         self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
-                           self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id)
+                           self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
+                           self.rt.curve_public)
         self.rt.nested_work = (work, self._nested_work)
         self.rt.nested_thread = threading.get_ident()
         deferred = self.deferred
@@ -301,10 +304,16 @@ class ProcWorker:
     def _init_failed(self, aid, name, owner, reply_to, call_id, err: ActorError) -> None:
         """The spawner's future fails (the controller reports it from there); a spawning
         actor's ``__supervise__`` hears of it too."""
-        self.failed[aid] = (name, f"its __init__ failed: {err.message}", err)
+        self._gone(aid, name, f"its __init__ failed: {err.message}", err)
         self._reply(reply_to, call_id, False, err)
         if owner is not None:
             self._tell_owner(owner, aid, self._failure(name, f"actor failed to start: {err.message}"), err)
+
+    def _gone(self, aid, name, why, err) -> None:
+        """Remember why an actor is gone, so later calls say so (the last 1000)."""
+        self.failed[aid] = (name, why, err)
+        if len(self.failed) > 1000:
+            del self.failed[next(iter(self.failed))]
 
     def _failure(self, name: str, reason: str) -> MeshFailure:
         return MeshFailure(name, self.rank, self.host, os.getpid(), reason, self.proc_key)
@@ -375,7 +384,7 @@ class ProcWorker:
         slot = self.actors.pop(aid, None)
         if slot is None:
             return
-        self.failed[aid] = (slot.name, f"it failed: {err.message}", err)
+        self._gone(aid, slot.name, f"it failed: {err.message}", err)
         self._cleanup(slot, exc if isinstance(exc, Exception) else None)
         failure = self._failure(slot.name, f"actor failed: {err.message}")
         self._tell_owner(slot.owner, aid, failure, err, seen)
@@ -417,7 +426,7 @@ class ProcWorker:
         slot = self.actors.pop(aid, None)
         self.owned.pop(aid, None)
         if slot is not None:
-            self.failed[aid] = (slot.name, f"it was stopped ({reason})", None)
+            self._gone(aid, slot.name, f"it was stopped ({reason})", None)
             self._cleanup(slot, None)
         if len(msg) > 4 and msg[4]:
             self._reply(msg[3], msg[4], True, None)

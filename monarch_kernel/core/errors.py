@@ -89,6 +89,15 @@ class MeshFailure:
 
     __repr__ = lambda self: f"MeshFailure({self})"
 
+    @property
+    def mesh_name(self) -> str:
+        """Monarch's name for ``mesh``: the failed mesh's name."""
+        return self.mesh
+
+    def report(self) -> str:
+        """Monarch's user-readable report of this failure."""
+        return str(self)
+
 
 class SupervisionError(MonarchError):
     """A proc (or a whole host) of the mesh died, or an actor failed to start.

@@ -37,7 +37,8 @@ from .values import ValueMesh
 T = TypeVar("T")
 # Actor meshes the controller spawned since a notebook cell began (jupyter/spawn_check.py
 # waits on them at the cell's end, so a failed __init__ shows under the cell that spawned it).
-recent_spawns: list = []
+# None (not kept) outside a notebook.
+recent_spawns: list | None = None
 # Called as ``hook(proc_mesh)`` after ``respawn()`` replaced dead procs (features that keep
 # per-mesh state on the procs register here, e.g. monarch_kernel.tensor re-forms its group).
 RESPAWN_HOOKS: list = []
@@ -188,7 +189,7 @@ class ProcMesh(_Sliceable):
         am.initialized = pending.future
         am.spawn_thread = threading.get_ident()
         st.actor_meshes[aid] = am
-        if rt.role == "controller":
+        if recent_spawns is not None and rt.role == "controller":
             recent_spawns.append(am)
         _note_owner(aid, keys)
         pending.future.add_done_callback(lambda f: _on_initialized(am, refs, f))

@@ -19,8 +19,10 @@ import linecache
 import logging
 import os
 import pickle
+import struct
 import sys
 import threading
+import time
 import types
 
 import cloudpickle
@@ -228,16 +230,96 @@ def loads(header, buffers=()):
 
 
 MAC_SIZE = 16
-_PREFIX = 8 + MAC_SIZE   # key id + MAC, in front of the header
+STAMP_SIZE = 8 + 8 + 8   # sender id, sequence number, send time (ms): inside the MAC
+_PREFIX = 8 + MAC_SIZE + STAMP_SIZE   # key id + MAC + stamp, in front of the header
+_STAMP = struct.Struct("<8sQQ")
+REPLAY_WINDOW = 4096     # a sender's messages may arrive this far out of order on one socket
+MAX_AGE_S = float(os.environ.get("MONARCH_KERNEL_MAX_MESSAGE_AGE_S", "300"))   # clock skew + queueing
 
 
-def _digest(key: bytes, header, buffers) -> bytes:
+def _digest(key: bytes, header, buffers, stamp: bytes = b"") -> bytes:
     """Keyed BLAKE2b (a MAC by design, 4x cheaper than HMAC-SHA256 on small messages) over
-    the header and the lengths of the out-of-band buffers."""
-    h = hashlib.blake2b(header, key=key, digest_size=MAC_SIZE)
+    the stamp, the header and the lengths of the out-of-band buffers."""
+    h = hashlib.blake2b(stamp, key=key, digest_size=MAC_SIZE)
+    h.update(header)
     if buffers:
         h.update(b"".join(len(b).to_bytes(8, "little") for b in buffers))
     return h.digest()
+
+
+class _SenderStamp(threading.local):
+    """Each sending thread is a sender of its own: a random id and a counter (a forked
+    child starts a new sender, see _new_sender_after_fork)."""
+
+    epoch = -1
+    sender = b""
+    seq = 0
+
+
+_SENDER = _SenderStamp()
+_FORK_EPOCH = [0]
+
+
+def _new_sender_after_fork():
+    _FORK_EPOCH[0] += 1
+
+
+os.register_at_fork(after_in_child=_new_sender_after_fork)
+
+
+def _stamp() -> bytes:
+    st = _SENDER
+    if st.epoch != _FORK_EPOCH[0]:
+        st.epoch, st.sender, st.seq = _FORK_EPOCH[0], os.urandom(8), 0
+    st.seq += 1
+    return _STAMP.pack(st.sender, st.seq, int(time.time() * 1000))
+
+
+class _ReplayGuard:
+    """Per receiving socket: the messages already seen from each sender (its highest
+    sequence number and a bitmap of the REPLAY_WINDOW before it). A message seen before,
+    older than the window, or sent more than MAX_AGE_S ago is a replay."""
+
+    __slots__ = ("senders", "lock", "opened")
+
+    def __init__(self):
+        self.senders: dict[bytes, list] = {}   # sender id -> [highest seq, bitmap, last seen]
+        self.lock = threading.Lock()
+        self.opened = 0
+
+    def check(self, sender: bytes, seq: int, sent_ms: int) -> str:
+        now = time.time()
+        if abs(now - sent_ms / 1000) > MAX_AGE_S:
+            return f"sent {now - sent_ms / 1000:.0f} s ago (limit {MAX_AGE_S:.0f} s; are the clocks in sync?)"
+        with self.lock:
+            w = self.senders.get(sender)
+            if w is None:
+                self.senders[sender] = [seq, 1, now]
+                self.opened += 1
+                if self.opened % 4096 == 0:
+                    self._prune(now)
+                return ""
+            hi, bits, _ = w
+            w[2] = now
+            if seq > hi:
+                shift = seq - hi
+                w[0], w[1] = seq, ((bits << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
+                return ""
+            back = hi - seq
+            if back >= REPLAY_WINDOW:
+                return f"older than the last {REPLAY_WINDOW} messages of its sender"
+            if bits >> back & 1:
+                return "already received (a replay)"
+            w[1] = bits | (1 << back)
+            return ""
+
+    def _prune(self, now: float) -> None:
+        """Senders silent for longer than MAX_AGE_S: anything they sent is now too old anyway."""
+        for k in [k for k, w in self.senders.items() if now - w[2] > MAX_AGE_S]:
+            del self.senders[k]
+
+
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 
 
 def key_id(key: bytes) -> bytes:
@@ -251,6 +333,8 @@ class Keyring:
     def __init__(self):
         self._keys: dict[bytes, bytes] = {}
         self._ids: dict[bytes, bytes] = {}
+        self._guards: dict[str, _ReplayGuard] = {}   # receiving socket (``where``) -> its guard
+        self.replays_dropped = 0
 
     def add(self, key: bytes) -> bytes:
         kid = self._ids.get(key)
@@ -264,7 +348,8 @@ class Keyring:
         ``key id (8) + MAC (16) + header``."""
         kid = self._ids.get(key) or self.add(key)
         header = frames[0]
-        return [b"".join((kid, _digest(key, header, frames[1:]), header)), *frames[1:]]
+        stamp = _stamp()
+        return [b"".join((kid, _digest(key, header, frames[1:], stamp), stamp, header)), *frames[1:]]
 
     def open(self, frames, where: str = "socket"):
         """Verify and unpickle received frames (zmq.Frame or bytes). Returns the message, or
@@ -275,12 +360,21 @@ class Keyring:
             log.warning("dropped a malformed message on %s (%d frame(s), %d bytes)", where, len(frames),
                         len(first))
             return None
-        kid, sig, header = bytes(first[:8]), bytes(first[8:_PREFIX]), first[_PREFIX:]
+        kid, sig, stamp, header = (bytes(first[:8]), bytes(first[8:8 + MAC_SIZE]),
+                                   bytes(first[8 + MAC_SIZE:_PREFIX]), first[_PREFIX:])
         key = self._keys.get(kid)
         bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
-        if key is None or not hmac.compare_digest(sig, _digest(key, header, bufs)):
+        if key is None or not hmac.compare_digest(sig, _digest(key, header, bufs, stamp)):
             log.warning("dropped an unauthenticated message on %s (%s)", where,
                         "unknown key" if key is None else "bad signature")
+            return None
+        guard = self._guards.get(where)
+        if guard is None:
+            guard = self._guards.setdefault(where, _ReplayGuard())
+        why = guard.check(*_STAMP.unpack(stamp))
+        if why:
+            self.replays_dropped += 1
+            log.warning("dropped a replayed message on %s: %s", where, why)
             return None
         try:
             return loads(header, bufs)

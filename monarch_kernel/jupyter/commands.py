@@ -47,6 +47,10 @@ _where.add_argument("--job", metavar="VAR", help="hosts from a monarch_kernel.jo
                                                  "(its first mesh)")
 _where.add_argument("--slurm", metavar='"SBATCH ARGS"', help='hosts from a Slurm allocation, e.g. --slurm "-N 2 '
                                                              '-p gpu --gpus-per-node 8"')
+_where.add_argument("--k8s", metavar="NAMESPACE", help="pods in a Kubernetes namespace (with --image and "
+                                                        "--replicas; your kubeconfig)")
+CONNECT.add_argument("--image", metavar="IMAGE", help="--k8s: the pods' image (with this project installed)")
+CONNECT.add_argument("--replicas", type=int, metavar="N", help="--k8s: number of pods (hosts), default 1")
 _where.add_argument("--ssh", metavar="HOST,HOST", help="an agent on each host over ssh (your ssh config and keys), "
                                                        "e.g. --ssh gpu1,alice@gpu2:2222")
 
@@ -73,6 +77,7 @@ def connect(ctx, args):
     dims = ", ".join(f"{k}={v}" for k, v in pm.sizes.items())
     how = "started" if spawned else "re-attached (namespaces and actors kept)"
     progress.done()
+    job = ctx.session.job   # also a job found under the mesh's name
     where = f" on {job.kind} job {job.job_id}" if job is not None else ""
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     dead = pm.dead_ranks()

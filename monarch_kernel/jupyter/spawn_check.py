@@ -19,12 +19,12 @@ WAIT_S = 600.0
 
 
 def _pre_run_cell(*_args) -> None:
-    mesh_mod.recent_spawns.clear()
+    mesh_mod.recent_spawns = []
 
 
 def _post_run_cell(*_args) -> None:
-    spawned = list(mesh_mod.recent_spawns)
-    mesh_mod.recent_spawns.clear()
+    spawned = mesh_mod.recent_spawns or []
+    mesh_mod.recent_spawns = []
     for am in spawned:
         if am.used or am.initialized is None:
             continue
@@ -51,6 +51,8 @@ def _post_run_cell(*_args) -> None:
 
 
 def install(ipython) -> None:
+    if mesh_mod.recent_spawns is None:
+        mesh_mod.recent_spawns = []
     if _post_run_cell not in ipython.events.callbacks["post_run_cell"]:
         ipython.events.register("pre_run_cell", _pre_run_cell)
         ipython.events.register("post_run_cell", _post_run_cell)

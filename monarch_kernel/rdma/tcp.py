@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hmac
 import json
+import logging
 import os
 import socket
 import struct
@@ -24,6 +25,8 @@ import threading
 import time
 
 from . import owner as owner_mod
+
+log = logging.getLogger(__name__)
 
 CHUNK = 8 << 20
 _REQ = struct.Struct("!4sBIQQQ16s")
@@ -57,13 +60,28 @@ class DataServer:
             bind = runtime().bind_host
         except Exception:
             pass
-        self.sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind, 0))
+        try:
+            self.sock = self._listen(bind)
+        except OSError as e:
+            # The runtime's address can vanish under it (a job's interface torn down after
+            # kill()); loopback still serves this host's peers.
+            log.warning("rdma: cannot serve on %s (%s); serving on 127.0.0.1", bind, e)
+            self.sock = self._listen("127.0.0.1")
         self.sock.listen(64)
         host, port = self.sock.getsockname()[:2]
         self.address = f"{host}:{port}"
         threading.Thread(target=self._accept, name="monarch-rdma-tcp", daemon=True).start()
+
+    @staticmethod
+    def _listen(bind: str) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((bind, 0))
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     def _accept(self):
         while True:

@@ -98,6 +98,20 @@ def _latest(agent: str) -> dict:
     return out
 
 
+def _forget_gone_agents(meshes: list[dict]) -> None:
+    """Close this server's links to agents whose mesh is gone (no socket per dead mesh)."""
+    from monarch_kernel.core.runtime import runtime
+
+    rt = runtime()
+    live = {a["addr"] for m in meshes if m["alive"] for a in m["info"].get("agents", [])}
+    st = store()
+    for addr in list(st.cursors):
+        if addr not in live:
+            rt.forget_agent(addr)
+            st.cursors.pop(addr, None)
+            st.hosts.pop(addr, None)
+
+
 def _kernel_pid(server, kernel_id: str | None) -> int | None:
     if not kernel_id:
         return None
@@ -114,6 +128,7 @@ class MeshesHandler(APIHandler):
         meshes = _meshes()
         described = await asyncio.to_thread(lambda: [describe_mesh(m["name"], m["info"], m["alive"])
                                                      for m in meshes])
+        _forget_gone_agents(meshes)
         pid = _kernel_pid(self.settings.get("serverapp") or self, self.get_argument("kernel", None))
         mine = next((m["name"] for m in described if pid and pid in m["controller_pids"]), None)
         self.finish(json.dumps({"meshes": described, "kernel_mesh": mine, "time": time.time()}))

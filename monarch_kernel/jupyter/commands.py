@@ -77,6 +77,7 @@ def connect(ctx, args):
     dims = ", ".join(f"{k}={v}" for k, v in pm.sizes.items())
     how = "started" if spawned else "re-attached (namespaces and actors kept)"
     progress.done()
+    job = ctx.session.job   # also a job found under the mesh's name
     where = f" on {job.kind} job {job.job_id}" if job is not None else ""
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     dead = pm.dead_ranks()

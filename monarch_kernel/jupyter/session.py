@@ -89,6 +89,8 @@ class MeshSession:
         name = name or (job.name if job is not None else default_mesh_name())
         if self._prewarm is not None:
             self._prewarm.join()
+        if job is None:
+            job = _cached_job(name)   # `%mesh connect NAME` of a job's mesh: re-attach through the job
         if self.host is not None and (self.name != name or job is not None):
             self.disconnect()
         stale = hosts_mod._named.get(name)

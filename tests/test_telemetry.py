@@ -203,3 +203,18 @@ def test_server_api_describes_meshes_from_connection_files_without_attaching():
         assert m and m["procs"][0]["cpu"] is None
     finally:
         hm.shutdown()
+
+
+def test_fake_gpu_samples_give_the_panel_a_gpu_line_and_none_without(monkeypatch):
+    from monarch_kernel.telemetry import server
+    from monarch_kernel.telemetry.store import TelemetryStore
+
+    st = TelemetryStore()
+    monkeypatch.setattr(server, "store", lambda: st)
+    now = time.time()
+    rows = [(now - 2 + i, "h", "procs", r, 100 + r, 10.0, 100.0, 50.0, 4, 20, 30.0 + i if r == 0 else None,
+             512.0 if r == 0 else None) for i in range(3) for r in (0, 1)]
+    st.insert("tcp://fake:1", {"cursor": 6, "agent": "fake-gpu", "host": "h", "gpu": True,
+                               "rows": {"samples": rows}})
+    got = server._latest("fake-gpu")
+    assert got[("procs", 0)]["gpu_hist"] == [30.0, 31.0, 32.0] and got[("procs", 1)]["gpu_hist"] == []

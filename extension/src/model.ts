@@ -18,6 +18,7 @@ export interface IProc {
   gpu_util: number | null;
   cpu_hist: number[];
   rss_hist: number[];
+  gpu_hist: number[];
 }
 
 export interface IMesh {

@@ -55,7 +55,7 @@ function procRow(p: IProc, hosts: boolean, gpu: boolean): string {
     `<td class="mk-state" title="${esc(full)}">${esc(state)}</td>` +
     `<td>${spark(p.cpu_hist, 100, '#4a90d9')} ${num(p.cpu, '%')}</td>` +
     `<td>${spark(p.rss_hist, 0, '#8e44ad')} ${num(p.rss_mb, 'M')}</td>` +
-    (gpu ? `<td>${num(p.gpu_util, '%')}</td>` : '') + // absent, not 0, on a host without a GPU
+    (gpu ? `<td>${spark(p.gpu_hist || [], 100, '#2e7d32')} ${num(p.gpu_util, '%')}</td>` : '') + // no GPU: no column
     '</tr>'
   );
 }

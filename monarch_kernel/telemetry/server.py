@@ -81,7 +81,8 @@ def describe_mesh(name: str, info: dict, alive: bool) -> dict:
                 "actors": [a for a in p.get("actors", []) if a != "__cells__"], "buffers": p.get("buffers"),
                 "cpu": s.get("cpu") if alive_p else None, "rss_mb": s.get("rss") if alive_p else None,
                 "gpu_util": s.get("gpu_util") if alive_p else None,
-                "cpu_hist": s.get("cpu_hist", []), "rss_hist": s.get("rss_hist", [])})
+                "cpu_hist": s.get("cpu_hist", []), "rss_hist": s.get("rss_hist", []),
+                "gpu_hist": s.get("gpu_hist", [])})
     mesh["procs"].sort(key=lambda p: (p["mesh"], p["rank"]))
     return mesh
 
@@ -91,9 +92,11 @@ def _latest(agent: str) -> dict:
                          "and time > ? order by time", (agent, time.time() - SPARK_S))
     out: dict = {}
     for mesh, rank, cpu, rss, gpu, _t in rows:
-        d = out.setdefault((mesh, rank), {"cpu_hist": [], "rss_hist": []})
+        d = out.setdefault((mesh, rank), {"cpu_hist": [], "rss_hist": [], "gpu_hist": []})
         d["cpu_hist"].append(round(cpu, 1))
         d["rss_hist"].append(round(rss, 1))
+        if gpu is not None:   # no GPU: no line at all, not a line at zero
+            d["gpu_hist"].append(round(gpu, 1))
         d.update(cpu=cpu, rss=rss, gpu_util=gpu)
     return out
 

@@ -140,12 +140,35 @@ class ConnectProgress:
 
 
 # ----------------------------------------------------------------------- status / list
-STATUS = mesh_parser("status", "ranks, pids, state, CPU and memory of each proc of the mesh")
+STATUS = mesh_parser("status", "ranks, pids, state, CPU and memory of each proc of the mesh",
+                     usage="%mesh status [--watch SECONDS]")
+STATUS.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                    help="refresh the table in place every SECONDS (default 2) until the cell is interrupted")
 
 
 @mesh_command(STATUS)
 def status(ctx, args):
     procs, _ = ctx.require()
+    if args.watch is None:
+        return _status_table(ctx, procs)
+    if args.watch <= 0:
+        raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
+    from IPython.display import display, update_display
+
+    handle = display(_status_table(ctx, procs), display_id=True)
+    try:
+        while True:
+            time.sleep(args.watch)
+            procs, _ = ctx.require()
+            update_display(_status_table(ctx, procs), display_id=handle.display_id)
+    except KeyboardInterrupt:   # the kernel's interrupt (the stop button) ends the watch
+        print("stopped watching (the table above is the last refresh)")
+    return None
+
+
+def _status_table(ctx, procs) -> Table:
+    """Columns: ``state`` in the words of the mesh's own repr (alive, dead, stopped) and
+    ``doing``: what a live proc is busy with (idle, running cell, in endpoint ...)."""
     states = procs.states().values()
     usage = {}
     try:
@@ -153,22 +176,29 @@ def status(ctx, args):
     except Exception:
         pass
     show_buffers = any("buffers" in s for s in states)
-    head = ["rank", "host", "pid", "state", "cpu %", "rss MiB", "actors"]
+    head = ["rank", "host", "pid", "state", "doing", "cpu %", "rss MiB", "actors"]
     if show_buffers:
         head.append("buffers")
     rows = []
+    dead = set(procs.dead_ranks())
     for ref, st in zip(procs.procs(), states, strict=False):
         u = usage.get(ref.key, {})
         actors = ", ".join(a for a in st.get("actors", []) if a != CELL_ACTOR)
-        row = [ref.rank, st.get("host", ref.host), st.get("pid", ref.pid), _state(st.get("state", "?")),
+        raw = st.get("state", "?")
+        if procs._state.stopped:
+            state, doing = "stopped", ""
+        elif ref.rank in dead or raw == "dead":
+            state, doing = "dead", ""
+        else:
+            state, doing = "alive", _state(raw)
+        row = [ref.rank, st.get("host", ref.host), st.get("pid", ref.pid), state, doing,
                "" if u.get("cpu") is None else f"{u['cpu']:.0f}",
                "" if u.get("rss") is None else f"{u['rss'] / 2**20:.0f}", actors]
         if show_buffers:
             row.append(_buffers(st.get("buffers")))
         rows.append(row)
     dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
-    dead = procs.dead_ranks()
-    note = f"{rank_ranges(dead)} dead: `mesh.respawn()` replaces them" if dead else ""
+    note = f"{rank_ranges(sorted(dead))} dead: `mesh.respawn()` replaces them" if dead else ""
     title = f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})"
     if ctx.session.job is not None:
         from .jobs import describe_job
@@ -220,7 +250,7 @@ def list_(ctx, args):
         mark = "connected" if name == ctx.session.name and ctx.session.procs is not None else ""
         rows.append([name, "alive" if alive else "gone", len(agents), pids, mark])
     note = "" if rows else "no meshes: `%mesh connect` starts one"
-    return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", ""], rows, note)
+    return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", "this notebook"], rows, note)
 
 
 # ----------------------------------------------------------------------- disconnect / stop

@@ -1,5 +1,6 @@
 """A fake Kubernetes API server for the tests (no real one installs here; see RECIPES.md):
-core/v1 pods and secrets (create, get, list with label selectors, delete), pod logs, and
+core/v1 pods and secrets (create, get, list with label selectors, delete), watches of pods
+from a resourceVersion, pod logs, and
 a "kubelet" that runs each pod's container command as a local process in its own network
 namespace with its own IP (so the fixed agent port behaves as on a cluster).
 
@@ -50,6 +51,9 @@ class FakeKubernetes:
         self.pods: dict[tuple[str, str], dict] = {}
         self.secrets: dict[tuple[str, str], dict] = {}
         self.created: list[dict] = []
+        self.rv = 1                      # resourceVersion, bumped on every pod change
+        self.events: list[tuple[int, str, dict]] = []   # (rv, type, pod) for watches
+        self.watches = 0                 # watch requests served
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.lock = threading.RLock()
         self.dir = tempfile.mkdtemp(prefix="mk-fake-k8s-")
@@ -96,7 +100,7 @@ class FakeKubernetes:
         pod.setdefault("apiVersion", "v1")
         pod.setdefault("kind", "Pod")
         meta = pod["metadata"]
-        meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion="1")
+        meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now())
         c = pod["spec"]["containers"][0]
         pod["status"] = {"phase": "Pending", "conditions": [], "containerStatuses": [
             {"name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 0,
@@ -106,14 +110,22 @@ class FakeKubernetes:
                 return None
             self.pods[(ns, name)] = pod
             self.created.append(pod)
+            self._changed(pod, "ADDED")
         return pod
+
+    def _changed(self, pod: dict, kind: str) -> None:
+        self.rv += 1
+        pod["metadata"]["resourceVersion"] = str(self.rv)
+        self.events.append((self.rv, kind, json.loads(json.dumps(_public(pod)))))
 
     def delete_pod(self, ns: str, name: str) -> dict | None:
         with self.lock:
             pod = self.pods.pop((ns, name), None)
             self._kill((ns, name))
-            if pod is not None and self.net is not None:
-                self.net.remove(name)
+            if pod is not None:
+                self._changed(pod, "DELETED")
+                if self.net is not None:
+                    self.net.remove(name)
         return pod
 
     def log(self, ns: str, name: str, tail: int | None) -> str | None:
@@ -132,10 +144,13 @@ class FakeKubernetes:
         while not self._stop.wait(0.05):
             with self.lock:
                 for key, pod in list(self.pods.items()):
+                    before = json.dumps(pod["status"], sort_keys=True)
                     try:
                         self._step(key, pod)
                     except Exception as e:  # a broken pod must not stop the others
                         print(f"fake kubelet: {key}: {e}", file=sys.stderr)
+                    if json.dumps(pod["status"], sort_keys=True) != before:
+                        self._changed(pod, "MODIFIED")
 
     def _step(self, key, pod) -> None:
         st = pod["status"]
@@ -259,12 +274,14 @@ class _Handler(BaseHTTPRequestHandler):
             store = api.pods if kind == "pods" else api.secrets if kind == "secrets" else None
             if store is None:
                 return self._status(404, "NotFound", f"unknown resource {kind}")
+            if len(parts) == 6 and kind == "pods" and q.get("watch") in ("true", "1"):
+                return self._watch(ns, q)
             with api.lock:
                 if len(parts) == 6:
                     items = [_public(o) for (n, _), o in store.items()
                              if n == ns and _matches(o["metadata"].get("labels") or {}, q.get("labelSelector"))]
                     return self._send(200, {"kind": "PodList" if kind == "pods" else "SecretList",
-                                            "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                                            "apiVersion": "v1", "metadata": {"resourceVersion": str(api.rv)},
                                             "items": items})
                 obj = store.get((ns, parts[6]))
                 if obj is None:
@@ -274,6 +291,31 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._send(200, text or "", "text/plain")
                 return self._send(200, _public(obj))
         return self._status(404, "NotFound", f"no route {self.path}")
+
+    def _watch(self, ns: str, q: dict) -> None:
+        """Stream pod events after ``resourceVersion`` (one JSON line each) until
+        ``timeoutSeconds``; HTTP/1.0, so the stream ends when the connection closes."""
+        api = self.api
+        api.watches += 1
+        since = int(q.get("resourceVersion") or 0)
+        deadline = time.monotonic() + float(q.get("timeoutSeconds") or 30)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        try:
+            while time.monotonic() < deadline and not api._stop.is_set():
+                with api.lock:
+                    new = [(rv, t, o) for rv, t, o in api.events if rv > since and o["metadata"]["namespace"] == ns
+                           and _matches(o["metadata"].get("labels") or {}, q.get("labelSelector"))]
+                for rv, kind, obj in new:
+                    self.wfile.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                    since = max(since, rv)
+                if new:
+                    self.wfile.flush()
+                time.sleep(0.02)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        self.close_connection = True
 
     def do_POST(self):
         parts, _ = self._route()

@@ -50,6 +50,7 @@ def test_fake_cluster_pods_run_the_agents_with_the_key_only_in_a_secret_and_reat
     try:
         state = job.state(progress=lines.append)
         assert any("pods: Running 2; agents up 2/2" in line for line in lines), lines
+        assert k8s.watches > 0   # pending pods were watched, not polled
         hosts = state.workers.spawn_procs(per_host={"gpus": 1}).spawn("hosts", Host)
         names = hosts.where.call().get(timeout=60).values()
         pods = [p for p in k8s.created if p.get("kind") == "Pod"]

@@ -11,7 +11,8 @@ Monarch's labels), running ``python -m workers.agent`` with the image's own ``py
 the mesh key reaches it through a Secret referenced by ``secretKeyRef``, never a literal
 in the pod spec. "Ready" is not "agent up": container states are watched while waiting
 for the agent's port, and a pod that cannot start (CrashLoopBackOff, ErrImagePull, ...)
-fails the job with its name and last log lines.
+fails the job with its name and last log lines. Pod changes arrive through a watch from
+the listed resourceVersion (no polling of the API server while pods are pending).
 
 Attach-only mode (``label_selector``) attaches to pods something else runs, with
 Monarch's conventions: rank from the ``apps.kubernetes.io/pod-index`` label, the agent on
@@ -29,7 +30,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from .base import JobError, JobGoneError, JobTrait, Progress
+from .base import JobError, JobGoneError, JobTrait, Progress, log
 
 AGENT_PORT = 26600
 APP_LABEL, APP = "app.kubernetes.io/name", "monarch-worker"
@@ -198,7 +199,8 @@ class KubernetesJob(JobTrait):
         start = time.monotonic()
         last = ""
         while True:
-            pods = {p.metadata.name: p for p in api.list_namespaced_pod(self.namespace, label_selector=selector).items}
+            listed = api.list_namespaced_pod(self.namespace, label_selector=selector)
+            pods = {p.metadata.name: p for p in listed.items}
             counts: dict[str, int] = {}
             ips: dict[str, str] = {}
             for name in names:
@@ -220,7 +222,25 @@ class KubernetesJob(JobTrait):
             if self.job_start_timeout is not None and time.monotonic() - start > self.job_start_timeout:
                 raise JobError(f"kubernetes job {self.name!r}: not every agent was up after "
                                f"{self.job_start_timeout:g} s ({line}); its pods were deleted")
+            if set(counts) == {"Running"}:
+                time.sleep(0.1)   # only the agents' ports to wait for: no pod event will say so
+            else:
+                self._next_pod_event(api, selector, listed.metadata.resource_version)
+
+    def _next_pod_event(self, api, selector: str, since: str | None, timeout: int = 1) -> None:
+        """Block until one of the job's pods changes after ``since`` (a watch), or ``timeout``."""
+        from kubernetes import watch
+
+        w = watch.Watch()
+        try:
+            for _ in w.stream(api.list_namespaced_pod, self.namespace, label_selector=selector,
+                              resource_version=since, timeout_seconds=timeout, _request_timeout=timeout + 5):
+                break
+        except Exception as e:   # an API server that cannot watch: fall back to polling
+            log.debug("pod watch failed (%s); polling", e)
             time.sleep(0.2)
+        finally:
+            w.stop()
 
     def _check_pod(self, api, pod) -> str:
         """The pod's state for the progress line; raises when it cannot start."""

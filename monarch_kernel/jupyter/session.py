@@ -96,6 +96,11 @@ class MeshSession:
         stale = hosts_mod._named.get(name)
         if stale is not None and not stale._detached and not host_alive(stale):
             stale._forget()
+        if job is not None and self._prewarmed == name:
+            pre = hosts_mod._named.get(name)   # a local agent started ahead of time holds the name
+            if pre is not None and not pre._detached and not pre.proc_meshes:
+                pre.shutdown()
+            self._prewarmed = None
         if job is not None:
             state = job.state(progress=job_progress)
             hm = state[next(iter(job.meshes))]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import shlex
 import sys
@@ -210,8 +211,9 @@ class MeshMagics(Magics):
         except _HelpShown:
             return None
         procs, cells = self.require()
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise UsageError(f"--timeout must be a positive, finite number of seconds, got {args.timeout:g}; "
+                             "leave it out to wait as long as the cell runs")
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
         try:

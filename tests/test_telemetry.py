@@ -129,9 +129,9 @@ def test_query_result_is_rows_with_columns_and_a_table_repr():
 # ----------------------------------------------------------------------- SQL on a real mesh
 def test_every_rank_is_sampled_each_second_without_gpu_columns(mesh):
     _, pm, _ = mesh
-    rows = wait_for(lambda: [r for r in pm.telemetry.query(
-        "select rank, count(*), max(rss_mb), max(gpu_util), max(gpu_mem_mb) from samples group by rank")
-        if r[1] >= 2], within=15)
+    sql = "select rank, count(*), max(rss_mb), max(gpu_util), max(gpu_mem_mb) from samples group by rank"
+    rows = wait_for(lambda: (lambda rs: rs if len(rs) == 2 else None)([r for r in pm.telemetry.query(sql)
+                                                                        if r[1] >= 2]), within=15)
     assert [r[0] for r in rows] == [0, 1]
     assert all(r[2] > 10 and r[3] is None and r[4] is None for r in rows), rows
 

@@ -119,7 +119,7 @@ class CellCapture:
                 return
             self.live = True
             held, self.held = self.held, []
-            self._write_held(held, self.parent, collated=False)
+            self._write_held(held, self.parent, collated=False, display=self._show_live)
 
     def finish(self) -> None:
         """The cell is done: write what was held, grouped as asked (``rank``: each rank's
@@ -146,13 +146,22 @@ class CellCapture:
             self.progress.finish()
         self.router.flush()
 
-    def _write_held(self, held: list[tuple[int, tuple]], parent, collated: bool) -> None:
+    def _show_live(self, rank: int, item: tuple, parent) -> None:
+        if item[0] == "display" and is_rich(item[1]):
+            self._grow_grid(rank, item[1], parent)
+        else:
+            self.router.emit(rank, item, parent)
+
+    def _write_held(self, held: list[tuple[int, tuple]], parent, collated: bool, display=None) -> None:
+        """Held text as ``--group-outputs`` says; displays through ``display(rank, item,
+        parent)`` (default: written as they are)."""
+        display = display or self.router.emit
         if self.options.mode == "merged":
             lines = [(r, it[1], t) for r, it in held if it[0] == "stream" for t in split_lines(it[2])]
             self._write(self.limits.writable(merge(lines)), parent)
             for rank, item in held:
                 if item[0] != "stream":
-                    self.router.emit(rank, item, parent)
+                    display(rank, item, parent)
             return
         items = [(r, ("line", it[1], t)) if it[0] == "stream" else (r, it)
                  for r, it in held for t in (split_lines(it[2]) if it[0] == "stream" else [None])]
@@ -165,7 +174,7 @@ class CellCapture:
                 continue
             self._write(self.limits.writable(pending), parent)
             pending = []
-            self.router.emit(rank, item, parent)
+            display(rank, item, parent)
         self._write(self.limits.writable(pending), parent)
 
     def _write(self, groups: list[tuple[str, str, list[int]]], parent) -> None:

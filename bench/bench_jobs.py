@@ -10,6 +10,10 @@ Figures (one JSON line each, the shared record format; median of --runs):
   slurm_reattach_s          a new process: state() re-attaching + the first reply of an existing actor (<= 1 s)
   slurm_kill_s              kill() to nothing queued and no agent left (goal <= 2 s)
   process_first_reply_s     the same first reply with ProcessJob (local agent processes)
+  k8s_fake_state_s          KubernetesJob on the FAKE API server (tests/fake_k8s.py): pods created to
+                            both agents attached
+  k8s_fake_first_reply_s    ... to the first reply from 2 pods x 2 procs
+  k8s_fake_running_to_reply_s  from both pods Running to that first reply
 """
 from __future__ import annotations
 
@@ -118,6 +122,25 @@ def process_run(Where) -> dict:
     return {"process_first_reply_s": took}
 
 
+def k8s_run(Where) -> dict:
+    from fake_k8s import FakeKubernetes
+
+    from monarch_kernel.job import ImageSpec, KubernetesJob
+
+    with FakeKubernetes(use_netns=os.geteuid() == 0) as k8s:
+        job = KubernetesJob(kubeconfig=k8s.kubeconfig).add_mesh("hosts", 2, image_spec=ImageSpec("fake/monarch:1"))
+        running: list[float] = []
+        t0 = time.perf_counter()
+        state = job.state(progress=lambda line: running.append(time.perf_counter())
+                          if "Running 2" in line and not running else None)
+        took_state = time.perf_counter() - t0
+        state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where).host.call().get(timeout=60)
+        end = time.perf_counter()
+        job.kill()
+    return {"k8s_fake_state_s": took_state, "k8s_fake_first_reply_s": end - t0,
+            "k8s_fake_running_to_reply_s": end - running[0] if running else None}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
@@ -139,6 +162,14 @@ def main(argv=None) -> None:
                 runs.append(slurm_run(cluster, Where))
     for _ in range(a.runs):
         runs.append(process_run(Where))
+    try:
+        import kubernetes  # noqa: F401
+
+        for _ in range(a.runs):
+            runs.append(k8s_run(Where))
+    except ImportError:
+        print("# no kubernetes client (pip install 'monarch-kernel[kubernetes]'); k8s figures skipped",
+              file=sys.stderr)
     metrics: dict[str, list[float]] = {}
     for r in runs:
         for k, v in r.items():

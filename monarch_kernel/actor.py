@@ -64,7 +64,7 @@ def this_proc() -> ProcMesh:
     st = rt.mesh_states.get(sid)
     if st is None:
         ref = ProcRef(w.proc_key, w.rank, w.host, os.getpid(), w.work_addr, rt.address, w.agent,
-                      w.work_ipc, rt.ipc_address, rt.host_id)
+                      w.work_ipc, rt.ipc_address, rt.host_id, rt.curve_public)
         st = rt.mesh_states[sid] = ProcMeshState(sid, w.mesh_name, w.key, (), (), [ref])
     return ProcMesh(st, MeshView((), (), (0,)))
 

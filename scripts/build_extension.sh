@@ -5,12 +5,14 @@
 # skip with that reason.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PREFIX=${PREFIX:-$(.venv/bin/python -c 'import sys; print(sys.prefix)')}
+PY=.venv/bin/python
+[ -x "$PY" ] || PY=python3
+PREFIX=${PREFIX:-$("$PY" -c 'import sys; print(sys.prefix)')}
 if ! command -v npm >/dev/null 2>&1; then
   echo "setup: npm not found; the JupyterLab Mesh panel is not built (its browser tests will skip)" >&2
   exit 0
 fi
-if ! (cd extension && npm install --no-audit --no-fund --loglevel=error >/dev/null && npm run -s build:prod >/dev/null); then
+if ! (cd extension && npm install --no-audit --no-fund --loglevel=error >/dev/null && npm run -s build:prod >/dev/null 2>&1); then
   echo "setup: building the JupyterLab extension failed (is the npm registry reachable?); the Mesh panel's" \
        "browser tests will skip" >&2
   exit 0

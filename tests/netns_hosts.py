@@ -22,12 +22,23 @@ def ip_cmd(*args, check=True):
 class BridgedHosts:
     def __init__(self, names: list[str]):
         self.tag = secrets.token_hex(3)
-        net = random.randint(1, 250)
-        self.bridge_ip = f"10.213.{net}.1"
-        self.ip = {n: f"10.213.{net}.{10 + i}" for i, n in enumerate(names, 1)}
+        self.net = random.randint(1, 250)
+        self.bridge_ip = f"10.213.{self.net}.1"
         self.bridge = f"mkb{self.tag}"
-        self.netns = {n: f"mkn{self.tag}{i}" for i, n in enumerate(names, 1)}
-        self.veth = {n: f"mkv{self.tag}{i}" for i, n in enumerate(names, 1)}
+        self.names = list(names)
+        self.ip: dict[str, str] = {}
+        self.netns: dict[str, str] = {}
+        self.veth: dict[str, str] = {}
+        self._next = 1
+        for n in names:
+            self._plan(n)
+
+    def _plan(self, node: str) -> None:
+        i = self._next
+        self._next += 1
+        self.ip[node] = f"10.213.{self.net}.{10 + i}"
+        self.netns[node] = f"mkn{self.tag}{i}"
+        self.veth[node] = f"mkv{self.tag}{i}"
 
     def __enter__(self) -> BridgedHosts:
         try:
@@ -44,16 +55,32 @@ class BridgedHosts:
         ip_cmd("link", "add", self.bridge, "type", "bridge")
         ip_cmd("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
         ip_cmd("link", "set", self.bridge, "up")
-        for i, (node, ns) in enumerate(self.netns.items(), 1):
-            peer = f"mkp{self.tag}{i}"
-            ip_cmd("netns", "add", ns)
-            ip_cmd("link", "add", self.veth[node], "type", "veth", "peer", "name", peer)
-            ip_cmd("link", "set", peer, "netns", ns)
-            ip_cmd("link", "set", self.veth[node], "master", self.bridge)
-            ip_cmd("link", "set", self.veth[node], "up")
-            ip_cmd("-n", ns, "addr", "add", f"{self.ip[node]}/24", "dev", peer)
-            ip_cmd("-n", ns, "link", "set", "lo", "up")
-            ip_cmd("-n", ns, "link", "set", peer, "up")
+        for node in self.names:
+            self._make(node)
+
+    def add(self, node: str) -> str:
+        """A new host on the running bridge (a pod, say); its address."""
+        self._plan(node)
+        self._make(node)
+        return self.ip[node]
+
+    def remove(self, node: str) -> None:
+        ns = self.netns.pop(node, None)
+        if ns:
+            ip_cmd("netns", "del", ns, check=False)
+            ip_cmd("link", "del", self.veth.pop(node), check=False)
+            self.ip.pop(node, None)
+
+    def _make(self, node: str) -> None:
+        ns, peer = self.netns[node], self.veth[node].replace("mkv", "mkp", 1)
+        ip_cmd("netns", "add", ns)
+        ip_cmd("link", "add", self.veth[node], "type", "veth", "peer", "name", peer)
+        ip_cmd("link", "set", peer, "netns", ns)
+        ip_cmd("link", "set", self.veth[node], "master", self.bridge)
+        ip_cmd("link", "set", self.veth[node], "up")
+        ip_cmd("-n", ns, "addr", "add", f"{self.ip[node]}/24", "dev", peer)
+        ip_cmd("-n", ns, "link", "set", "lo", "up")
+        ip_cmd("-n", ns, "link", "set", peer, "up")
 
     def enter(self, node: str, argv: list[str]) -> list[str]:
         """argv run inside ``node``'s namespace with its own hostname (``nsenter``, not

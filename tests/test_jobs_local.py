@@ -108,3 +108,56 @@ def test_bad_job_specs_say_what_is_wrong():
             ProcessJob(meshes={"hosts": 2}, name="spec-clash").state()
     finally:
         job.kill()
+
+
+class Env(Actor):
+    @endpoint
+    def get(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+
+def test_process_job_as_monarch_examples_call_it_with_several_meshes_env_and_no_cache():
+    job = ProcessJob({"trainers": 2, "dataloaders": 1}, env={"MK_JOB_TEST": "yes"})
+    try:
+        state = job.state(cached_path=None)
+        assert not job_path(job.name).exists()          # cached_path=None: no cache, as in Monarch
+        trainers = state.trainers.spawn_procs(per_host={"gpus": 1})
+        loaders = state.dataloaders.spawn_procs(per_host={"gpus": 1})
+        assert trainers.sizes == {"hosts": 2, "gpus": 1} and loaders.sizes == {"hosts": 1, "gpus": 1}
+        assert trainers.spawn("env", Env).get.call("MK_JOB_TEST").get(timeout=30).values() == ["yes", "yes"]
+        with pytest.raises(AttributeError, match="the job has no mesh 'learners'; its meshes: dataloaders, trainers"):
+            _ = state.learners
+    finally:
+        job.kill()
+
+
+def _connect_args(line: str):
+    import shlex
+
+    from monarch_kernel.jupyter.commands import CONNECT
+
+    return CONNECT.parse_args(shlex.split(line))
+
+
+def test_connect_shorthands_make_the_job_they_name_and_bad_combinations_say_why():
+    from IPython.core.error import UsageError
+
+    from monarch_kernel.jupyter.jobs import job_from_args
+
+    slurm = job_from_args({}, _connect_args('train --slurm "-N 2 -p gpu --gpus-per-node 8"'), None)
+    assert (slurm.kind, slurm.name, slurm.meshes, slurm.slurm_args) == \
+        ("slurm", "train", {"hosts": 2}, ["-p", "gpu", "--gpus-per-node", "8"])
+    k8s = job_from_args({}, _connect_args("kube --k8s ml --image img:1 --replicas 3"), None)
+    assert (k8s.kind, k8s.namespace, k8s.meshes) == ("kubernetes", "ml", {"hosts": 3})
+    ssh = job_from_args({}, _connect_args("far --ssh gpu1,alice@gpu2:2222"), None)
+    assert ssh.hosts == ["gpu1", "alice@gpu2:2222"] and ssh.meshes == {"hosts": 2}
+    mine = ProcessJob({"hosts": 1})
+    assert job_from_args({"j": mine}, _connect_args("x --job j"), None) is mine
+    with pytest.raises(UsageError, match="--k8s NAMESPACE needs --image"):
+        job_from_args({}, _connect_args("kube --k8s ml"), None)
+    with pytest.raises(UsageError, match="'j' is a int, not a job"):
+        job_from_args({"j": 3}, _connect_args("x --job j"), None)
+    with pytest.raises(UsageError, match="node count must be a number"):
+        job_from_args({}, _connect_args('x --slurm "-N 2-4"'), None)
+    with pytest.raises(UsageError, match="not allowed with argument"):
+        _connect_args('x --slurm "-N 2" --ssh a,b')

@@ -55,6 +55,8 @@ def test_rerunning_the_connect_cell_after_a_restart_reattaches_to_the_same_job_a
 def test_disconnect_leaves_the_allocation_and_stop_releases_it(k, cluster):
     k.ok("%mesh disconnect")
     assert [line.split()[0] for line in cluster.queue()] == [k.job_id]
+    r = k.ok("%mesh connect train", timeout=60)   # the name alone finds the job again
+    assert f"on slurm job {k.job_id} re-attached" in r.stdout, r.stdout
     r = k.ok("%mesh stop train", timeout=60)
     assert "stopped" in r.stdout
     assert cluster.queue() == []

@@ -136,3 +136,33 @@ def test_a_job_pending_past_job_start_timeout_is_cancelled_with_its_pending_reas
         job.state(progress=lines.append)
     assert any("queued (BeginTime)" in line for line in lines), lines
     assert cluster.queue() == []
+
+
+def test_the_lease_releases_an_allocation_no_notebook_is_attached_to(cluster):
+    job = SlurmJob(meshes={"hosts": 1}, lease=2.0)
+    try:
+        job.state()
+        job.disconnect()
+        deadline = time.monotonic() + 20
+        while cluster.queue() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.queue() == []   # the agent left at its lease, and the allocation with it
+        with pytest.raises(JobGoneError, match="has ended|COMPLETED"):
+            job.state()
+    finally:
+        job.kill()
+
+
+def test_a_job_connect_takes_over_the_name_of_a_prewarmed_local_agent(cluster):
+    from monarch_kernel.jupyter.session import MeshSession
+
+    s = MeshSession()
+    s.prewarm("nb-prewarmed")   # what a kernel does at start for the notebook's default name
+    s._prewarm.join()
+    pm, spawned = s.connect("nb-prewarmed", 1, None, None, job=SlurmJob(meshes={"hosts": 1}, name="nb-prewarmed"))
+    try:
+        assert spawned and pm.sizes == {"hosts": 1, "gpus": 1}
+        assert s.job.job_id and cluster.queue()
+    finally:
+        s.stop("nb-prewarmed")
+    assert cluster.queue() == []

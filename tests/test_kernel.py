@@ -222,17 +222,56 @@ def test_status_lists_every_rank_with_pid_state_and_actors(k):
     r = k.ok("%mesh status")
     lines = r.result.splitlines()
     assert lines[0] == f"mesh '{MESH}': 4 procs (gpus=4)"
-    assert lines[1].split() == ["rank", "host", "pid", "state", "cpu", "%", "rss", "MiB", "actors"]
+    assert lines[1].split() == ["rank", "host", "pid", "state", "doing", "cpu", "%", "rss", "MiB", "actors"]
     rows = [ln.split() for ln in lines[2:]]
     assert [row[0] for row in rows] == ["0", "1", "2", "3"]
-    assert all(row[3] == "idle" and row[-1] == "peek" and row[2].isdigit() for row in rows)
+    assert all(row[3:5] == ["alive", "idle"] and row[-1] == "peek" and row[2].isdigit() for row in rows)
     assert "<table>" in r.data()[0]["data"]["text/html"]
+    # the mesh's own repr says "alive" too (was: status "idle", repr "alive")
+    assert k.ok("mesh").data()[0]["data"]["text/html"].count("<td>alive</td>") == 4
+
+
+def test_an_actor_mesh_says_its_class_endpoints_ranks_and_where(k):
+    k.ok("from monarch_kernel.actor import Actor, endpoint\n"
+         "class Probe(Actor):\n    @endpoint\n    def ping(self): return 1\n"
+         "    @endpoint\n    def echo(self, v): return v\n"
+         "probe = mesh.spawn('probe', Probe)")
+    html = k.ok("probe").data()[0]["data"]["text/html"]
+    for cell in ("<code>Probe</code>", "echo, ping", "0-3 (gpus=4)", "ProcMesh 'procs' (host ", "alive"):
+        assert cell in html, html
+    assert "<th>pid</th>" not in html   # was: a copy of the proc table
+    k.ok("probe.stop().get()")
+
+
+def test_a_valuemesh_from_an_actor_call_has_the_cell_valuemeshs_columns(k):
+    actor = k.ok("probe2 = mesh.spawn('probe2', Probe)\nprobe2.ping.call().get()").data()[0]["data"]["text/html"]
+    cell = k.ok("%%on_mesh\n1").data()[0]["data"]["text/html"]
+    head = "<tr><th>rank</th><th>gpus</th><th>value</th></tr>"
+    assert head in actor and head in cell
+    k.ok("probe2.stop().get()")
+
+
+def test_status_watch_refreshes_in_place_until_interrupted(k):
+    mid = k.submit("%mesh status --watch 0.2")
+    seen = []
+
+    def on_output(m):
+        seen.append(m["msg_type"])
+        if m["msg_type"] == "update_display_data" and seen.count("update_display_data") == 2:
+            k.km.interrupt_kernel()   # the stop button, once
+
+    r = k.wait(mid, timeout=60, on_output=on_output)
+    assert r.status == "ok" and "stopped watching" in r.stdout
+    shown, updates = r.data("display_data"), r.data("update_display_data")
+    assert len(shown) == 1 and len(updates) >= 2
+    assert updates[0]["transient"]["display_id"] == shown[0]["transient"]["display_id"]
 
 
 def test_list_shows_the_connected_mesh_alive(k):
     r = k.ok("%mesh list")
     row = next(ln.split() for ln in r.result.splitlines() if ln.startswith(MESH))
     assert row[1] == "alive" and row[-1] == "connected"
+    assert r.result.splitlines()[1].split()[-2:] == ["this", "notebook"]   # was: a column with no header
 
 
 def test_connect_again_reuses_the_running_mesh(k):

@@ -1,6 +1,7 @@
 """The JupyterLab extension in a real JupyterLab and headless Chromium: the Mesh sidebar,
 the status-bar item, "insert connect cell", the "on mesh" cell button, a killed proc
-turning dead, ``%mesh top`` refreshing, and the panel's stop button.
+turning dead (red), respawn, logs, a rank paused in the debugger (amber), ``%mesh top``
+refreshing, and the panel's stop button.
 
 Screenshots go to ``$MONARCH_KERNEL_SCREENSHOTS`` (default: the test's tmp dir). Needs
 /usr/bin/chromium, playwright, and the built extension (scripts/build_extension.sh, run
@@ -108,9 +109,28 @@ def test_mesh_panel_status_bar_and_buttons_follow_the_mesh(tmp_path):
             page.evaluate("() => window.jupyterapp.shell.activateById(window.jupyterapp.shell.widgets('main')"
                           ".next().value.id)")   # back to the notebook
 
+            # a rank paused in the debugger: amber in the panel and the status bar
+            page.evaluate("""async () => { const app = window.jupyterapp; const nb = app.shell.currentWidget.content;
+                nb.activeCellIndex = nb.widgets.length - 1;
+                await app.commands.execute('notebook:insert-cell-below');
+                nb.activeCell.model.sharedModel.setSource('%mesh debug');
+                await app.commands.execute('notebook:run-cell-and-select-next');
+                nb.activeCell.model.sharedModel.setSource(
+                    '%%on_mesh\\nx = rank\\nif rank == 1:\\n    breakpoint()\\nprint("resumed", rank)');
+                app.commands.execute('notebook:run-cell'); }""")
+            page.wait_for_selector(f".mk-mesh[data-mesh='{MESH}'] .mk-proc[data-rank='1'][data-state^='paused']",
+                                   timeout=60_000)
+            page.locator(".mk-status-item.mk-amber").wait_for(timeout=5_000)
+            assert "1 paused" in status.inner_text()
+            page.screenshot(path=str(shots / "mesh-5-paused.png"))
+            page.get_by_role("button", name="continue", exact=True).click()   # the %mesh debug widget's
+            page.get_by_text("resumed 1").first.wait_for(timeout=30_000)
+            page.wait_for_selector(f".mk-mesh[data-mesh='{MESH}'] .mk-proc[data-rank='1'][data-state='idle']",
+                                   timeout=10_000)
+
             # stop, from the panel: the mesh goes away
             mesh.get_by_role("button", name="stop").click()
             mesh.wait_for(state="detached", timeout=20_000)
-            page.screenshot(path=str(shots / "mesh-5-stopped.png"))
+            page.screenshot(path=str(shots / "mesh-6-stopped.png"))
         finally:
             ctx.close()

@@ -456,3 +456,27 @@ def test_a_captured_call_replayed_to_the_proc_does_not_run_again(monkeypatch):
         assert c.bump.call().get(30).values() == [2], "a replayed call ran again"
     finally:
         pm.stop()
+
+
+# ---------------------------------------------------------------- CurveZMQ between hosts
+def test_curve_links_work_and_refuse_a_plain_peer_even_with_a_validly_signed_message():
+    # One host, but every link forced onto tcp with CURVE (as between two hosts).
+    out = _run_script("""
+        import time, zmq
+        from monarch_kernel.actor import Actor, endpoint, this_host
+        from monarch_kernel.core.runtime import runtime
+        class C(Actor):
+            def __init__(self): self.n = 0
+            @endpoint
+            def bump(self): self.n += 1; return self.n
+        pm = this_host().spawn_procs(per_host={"gpus": 2})
+        c = pm.spawn("c", C)
+        print("CALLS", c.bump.call().get(30).values())
+        rt = runtime()
+        ref = pm.procs()[0]
+        frames = rt.pack(pm._state.key, ("call", c._state.id, "bump", (), {}, rt.address, 0, None))
+        ctx = zmq.Context(); s = ctx.socket(zmq.PUSH); s.connect(ref.work.split("?")[0])   # plain ZMTP
+        s.send_multipart(frames); time.sleep(1.0); ctx.destroy(0)
+        print("AFTER", c.bump.call().get(30).values())
+        """, env={"MONARCH_KERNEL_CURVE": "always", "MONARCH_KERNEL_SAME_HOST_IPC": "0"})
+    assert "CALLS [1, 1]" in out and "AFTER [2, 2]" in out, out

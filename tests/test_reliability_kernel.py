@@ -38,3 +38,17 @@ def test_one_rank_stuck_in_native_code_is_blamed_alone_and_the_others_values_are
     out = r.stdout + "".join(d["data"]["text/plain"] for d in r.data("display_data") + r.data())
     assert out.count("unresponsive") == 1, out
     assert took < 3.0, f"%mesh status took {took:.1f} s with one stuck rank"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_timeout_that_is_not_a_positive_finite_number_is_refused(k, value):
+    r = k.run(f"%%on_mesh --timeout {value}\nrank", timeout=30)
+    text = r.stdout + r.stderr + str(r.error)
+    assert r.status == "error" and "positive, finite number of seconds" in text, text
+
+
+def test_a_size_over_the_sync_limit_that_rounds_to_the_limit_shows_the_bytes():
+    from monarch_kernel.sync.manifest import _too_large
+
+    text = _too_large("/data", [], 1_100_000_001, 1_100_000_000)
+    assert "1,100,000,001 bytes to sync, over the limit of 1,100,000,000 bytes" in text, text

@@ -61,6 +61,15 @@ def test_ddp_in_cells_keeps_every_ranks_weights_identical(k):
     assert all(run[-1] < run[0] for run in per_rank), losses       # each rank's loss falls
 
 
+def test_fsdp2_in_a_cell_shards_the_parameters_over_the_group(k):
+    r = k.ok("%%on_mesh\nimport torch\nfrom torch.distributed.fsdp import fully_shard\ntorch.manual_seed(0)\n"
+             "net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))\n"
+             "fully_shard(net)\nw = next(net.parameters())\nloss = net(torch.ones(2, 8)).sum()\nloss.backward()\n"
+             "(type(w).__name__, tuple(w.to_local().shape), round(loss.item(), 4))", timeout=120)
+    values = [line.split(": ", 1)[1] for line in r.result.splitlines()[1:]]
+    assert len(set(values)) == 1 and values[0].startswith("('DTensor', (4, 8),"), r.result
+
+
 def test_a_rank_killed_in_all_reduce_fails_the_cell_on_every_rank_and_respawn_forms_a_new_group(k):
     t0 = time.monotonic()
     r = k.run("%%on_mesh\nimport os, torch, torch.distributed as dist\nx = torch.ones(1 << 16)\n"

@@ -10,6 +10,7 @@ import time
 import types
 
 import cloudpickle
+import psutil
 import pytest
 
 from monarch_kernel.actor import Actor, endpoint, this_host
@@ -57,9 +58,10 @@ def test_cpu_percent_of_a_busy_process_is_measured_between_samples():
         s.sample([("m", 0, busy.pid)])
         time.sleep(1.0)
         row = s.sample([("m", 0, busy.pid)])[0]
-        # a fresh psutil.Process would say 0.0 every time; even on a loaded machine a spinning
-        # process gets well over 5 % of a core in a second
-        assert row.cpu_percent > 5, row
+        # a fresh psutil.Process says 0.0 every time; the kept one measures since the last sample
+        # (on this shared 2-core machine, at load 20, a spinning process got only 4 % of a core)
+        assert psutil.Process(busy.pid).cpu_percent(None) == 0.0
+        assert row.cpu_percent > 0.5, row
         assert row.rss_mb > 1 and row.uss_mb > 0 and row.threads >= 1 and row.fds >= 3
     finally:
         busy.kill()
@@ -127,9 +129,9 @@ def test_query_result_is_rows_with_columns_and_a_table_repr():
 # ----------------------------------------------------------------------- SQL on a real mesh
 def test_every_rank_is_sampled_each_second_without_gpu_columns(mesh):
     _, pm, _ = mesh
-    rows = wait_for(lambda: [r for r in pm.telemetry.query(
-        "select rank, count(*), max(rss_mb), max(gpu_util), max(gpu_mem_mb) from samples group by rank")
-        if r[1] >= 2], within=6)
+    sql = "select rank, count(*), max(rss_mb), max(gpu_util), max(gpu_mem_mb) from samples group by rank"
+    rows = wait_for(lambda: (lambda rs: rs if len(rs) == 2 else None)([r for r in pm.telemetry.query(sql)
+                                                                        if r[1] >= 2]), within=15)
     assert [r[0] for r in rows] == [0, 1]
     assert all(r[2] > 10 and r[3] is None and r[4] is None for r in rows), rows
 
@@ -140,7 +142,7 @@ def test_calls_and_their_failures_land_in_the_calls_table(mesh):
     with pytest.raises(Exception, match="negative step"):
         w.slice(gpus=0).work.call_one(-1).get()
     rows = wait_for(lambda: [r for r in pm.telemetry.query(
-        "select rank, actor, endpoint, ok, seconds from calls where endpoint = 'work'") if not r[3]], within=4)
+        "select rank, actor, endpoint, ok, seconds from calls where endpoint = 'work'") if not r[3]], within=10)
     assert rows and rows[0][:4] == (0, "w", "work", 0)
     rows = pm.telemetry.query("select rank, ok, seconds from calls where actor = 'w'")
     assert {(r[0], r[1]) for r in rows} >= {(0, 1), (1, 1), (0, 0)} and all(0 <= r[2] < 5 for r in rows)
@@ -150,7 +152,7 @@ def test_a_killed_proc_is_a_died_event_with_its_signal_then_respawned(mesh):
     _, pm, w = mesh
     os.kill(pm.procs()[1].pid, signal.SIGKILL)
     died = wait_for(lambda: pm.telemetry.query(
-        "select rank, detail from proc_events where event = 'died'"), within=3)
+        "select rank, detail from proc_events where event = 'died'"), within=10)
     assert died == [(1, "killed by signal SIGKILL")]
     pm.respawn()
     events = pm.telemetry.query("select rank, event from proc_events order by time")
@@ -192,14 +194,29 @@ def test_server_api_describes_meshes_from_connection_files_without_attaching():
         found = {m["name"]: m for m in server._meshes()}
         assert found["tel-server-api"]["alive"]
         m = wait_for(lambda: (lambda d: d if len(d["procs"][0]["rss_hist"]) >= 1 else None)(
-            server.describe_mesh("tel-server-api", found["tel-server-api"]["info"], True)), within=4)
+            server.describe_mesh("tel-server-api", found["tel-server-api"]["info"], True)), within=10)
         assert [p["rank"] for p in m["procs"]] == [0, 1] and {p["state"] for p in m["procs"]} == {"idle"}
         assert m["controller_pids"] == [os.getpid()] and m["gpu"] is False
         assert m["procs"][0]["rss_mb"] > 10 and m["procs"][0]["gpu_util"] is None
 
         os.kill(pm.procs()[0].pid, signal.SIGKILL)
         m = wait_for(lambda: (lambda d: d if d["procs"][0]["state"] == "dead" else None)(
-            server.describe_mesh("tel-server-api", found["tel-server-api"]["info"], True)), within=3)
+            server.describe_mesh("tel-server-api", found["tel-server-api"]["info"], True)), within=10)
         assert m and m["procs"][0]["cpu"] is None
     finally:
         hm.shutdown()
+
+
+def test_fake_gpu_samples_give_the_panel_a_gpu_line_and_none_without(monkeypatch):
+    from monarch_kernel.telemetry import server
+    from monarch_kernel.telemetry.store import TelemetryStore
+
+    st = TelemetryStore()
+    monkeypatch.setattr(server, "store", lambda: st)
+    now = time.time()
+    rows = [(now - 2 + i, "h", "procs", r, 100 + r, 10.0, 100.0, 50.0, 4, 20, 30.0 + i if r == 0 else None,
+             512.0 if r == 0 else None) for i in range(3) for r in (0, 1)]
+    st.insert("tcp://fake:1", {"cursor": 6, "agent": "fake-gpu", "host": "h", "gpu": True,
+                               "rows": {"samples": rows}})
+    got = server._latest("fake-gpu")
+    assert got[("procs", 0)]["gpu_hist"] == [30.0, 31.0, 32.0] and got[("procs", 1)]["gpu_hist"] == []

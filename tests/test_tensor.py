@@ -166,3 +166,25 @@ def test_mixing_meshes_a_dead_rank_and_a_stopped_mesh_are_clear_errors(procs):
     with pytest.raises(Exception, match="'tensor-other' was stopped"):
         again + 1
     assert (ours + 1).full_tensor().tolist() == [2.0] * 4
+
+
+class EnvReader(Actor):
+    @endpoint
+    def env(self) -> dict:
+        import os
+
+        return {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                               "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME")}
+
+
+def test_setup_torch_elastic_env_sets_torchruns_variables_on_every_proc(procs):
+    from monarch_kernel.spmd import setup_torch_elastic_env
+
+    setup_torch_elastic_env(procs, master_port=29123)
+    envs = procs.spawn("env-reader", EnvReader).env.call().get().values()
+    for rank, env in enumerate(envs):
+        assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29123", "RANK": str(rank), "WORLD_SIZE": "4",
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+                       "ROLE_RANK": str(rank), "ROLE_NAME": "default"}
+    with pytest.raises(ValueError, match="spans the whole proc mesh"):
+        setup_torch_elastic_env(procs.slice(gpus=slice(0, 2)))

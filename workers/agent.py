@@ -41,7 +41,7 @@ import uuid
 
 import zmq
 
-from monarch_kernel.core import wire
+from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
 from monarch_kernel.telemetry.agent import AgentTelemetry
@@ -83,11 +83,14 @@ class HostAgent:
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.router.setsockopt(zmq.HANDSHAKE_IVL, 2000)
         _raise_fd_limit()
-        if a.port:
-            self.router.bind(f"tcp://{a.bind}:{a.port}")
-        else:
-            self.router.bind(f"tcp://{a.bind}:*")
-        self.addr = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # Off this host, the link is CurveZMQ too (keys derived from the mesh key, curve.py).
+        secret = curve.agent_keys(self.key)[1] if curve.wanted(a.bind) else None
+        self.addr = curve.bind(self.router, f"tcp://{a.bind}:{a.port or '*'}", secret)
+        if a.bind in _WILDCARDS:
+            # Bound to every interface (as a pod's agent may be): tell peers, and bind our
+            # procs to, an address they can reach, never 0.0.0.0.
+            self.bind_host = _reachable_ip()
+            self.addr = self.addr.replace(f"//{a.bind}:", f"//{self.bind_host}:", 1)
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[str, dict] = {}        # spawn id -> {ident, req, keys}
@@ -425,7 +428,7 @@ class HostAgent:
         self.telemetry.expect_respawn(keys)
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys, "old": old_keys}
 
-    def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id=""):
+    def op_ready(self, ident, req, key, pid, work, ctrl, work_ipc="", ctrl_ipc="", host_id="", curve_pub=""):
         """A proc reports it is up (sent from the proc's own agent link)."""
         p = self.procs.get(key)
         if p is None or p.state == "stopping":
@@ -433,7 +436,7 @@ class HostAgent:
             return
         p.ident, p.state, p.pid = ident, "alive", pid
         self.by_pid[pid] = p
-        p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr, work_ipc, ctrl_ipc, host_id)
+        p.ref = ProcRef(key, p.rank, self.host, pid, work, ctrl, self.addr, work_ipc, ctrl_ipc, host_id, curve_pub)
         self.telemetry.proc_ready(p)
         for sid, sp in list(self.spawns.items()):
             if all(self.procs[k].state == "alive" for k in sp["keys"] if k in self.procs):
@@ -538,6 +541,30 @@ def _raise_fd_limit():
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 20), hard))
         except (ValueError, OSError):
             pass
+
+
+_WILDCARDS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def _reachable_ip() -> str:
+    """This host's address for peers: $POD_IP (Kubernetes' downward API), else what the
+    host name resolves to, else the first non-loopback IPv4 address of an interface."""
+    ip = os.environ.get("POD_IP") or os.environ.get("MONARCH_KERNEL_ADVERTISE")
+    if ip:
+        return ip
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        if not ip.startswith("127."):
+            return ip
+    except OSError:
+        pass
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return "127.0.0.1"
 
 
 def _kill(pid, sig):

@@ -21,7 +21,7 @@ import traceback
 import zmq
 
 from monarch_kernel.core import context as context_mod
-from monarch_kernel.core import wire
+from monarch_kernel.core import curve, wire
 from monarch_kernel.core.channels import Port, reply_port
 from monarch_kernel.core.context import _CTX, ActorInstance, Context
 from monarch_kernel.core.endpoint import EXPLICIT_PORT_MARK
@@ -96,8 +96,9 @@ class ProcWorker:
         self.work.setsockopt(zmq.RCVHWM, 0)
         self.work.setsockopt(zmq.LINGER, 0)
         self.work.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
-        self.work.bind(f"tcp://{cfg['bind']}:*")
-        self.work_addr = self.work.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.work_addr = curve.with_key(curve.bind(self.work, f"tcp://{cfg['bind']}:*",
+                                                   curve.process_keys()[1] if rt.curve_public else None),
+                                        rt.curve_public)
         self.work_ipc = ipc_name("work")
         self.work.bind(self.work_ipc)
         self.busy_call = None   # (reply_to, call_id) of what the main thread runs now
@@ -204,7 +205,8 @@ class ProcWorker:
     def serve(self) -> int:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
         self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
-                           self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id)
+                           self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
+                           self.rt.curve_public)
         self.rt.nested_work = (work, self._nested_work)
         self.rt.nested_thread = threading.get_ident()
         deferred = self.deferred

@@ -18,6 +18,7 @@ export interface IProc {
   gpu_util: number | null;
   cpu_hist: number[];
   rss_hist: number[];
+  gpu_hist: number[];
 }
 
 export interface IMesh {
@@ -38,6 +39,7 @@ export interface IMeshes {
 }
 
 export const PERIOD_MS = 1000; // never poll faster than this
+export const IDLE_MS = 5000;
 
 export async function api(path: string, init: RequestInit = {}): Promise<any> {
   const settings = ServerConnection.makeSettings();
@@ -92,18 +94,33 @@ export class MeshModel {
 
   /** ``who`` shows the data now (true) or no longer (false). */
   watch(who: string, on: boolean): void {
+    const before = this.watchers.size;
     if (on) {
       this.watchers.add(who);
     } else {
       this.watchers.delete(who);
     }
-    if (this.watchers.size && this.timer === null) {
-      void this.refresh();
-      this.timer = window.setInterval(() => void this.refresh(), PERIOD_MS);
+    if (this.watchers.size && (!before || (on && who === 'panel'))) {
+      if (this.timer !== null) {
+        window.clearTimeout(this.timer); // the panel wants fresh data now, then every second
+      }
+      void this.tick();
     } else if (!this.watchers.size && this.timer !== null) {
-      window.clearInterval(this.timer);
+      window.clearTimeout(this.timer);
       this.timer = null;
     }
+  }
+
+  /** Once a second while the panel is shown or the notebook in front has a mesh; every
+   * IDLE_MS when only the status bar waits for a notebook that has none yet. */
+  private async tick(): Promise<void> {
+    this.timer = null;
+    await this.refresh();
+    if (!this.watchers.size || this.timer !== null) {
+      return;
+    }
+    const busy = this.watchers.has('panel') || !!this.kernelMesh();
+    this.timer = window.setTimeout(() => void this.tick(), busy ? PERIOD_MS : IDLE_MS);
   }
 
   async refresh(): Promise<void> {

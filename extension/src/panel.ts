@@ -45,16 +45,17 @@ function buffers(procs: IProc[]): string {
 }
 
 function procRow(p: IProc, hosts: boolean, gpu: boolean): string {
-  const state = stateLabel(p.state);
+  const full = stateLabel(p.state);
+  const state = p.state.startsWith('paused') ? 'paused' : full; // the full text is the tooltip
   const cls = p.state === 'dead' ? 'mk-dead' : p.state.startsWith('paused') ? 'mk-paused' : '';
   const num = (v: number | null, unit: string) => (v === null || v === undefined ? '' : `${v.toFixed(0)}${unit}`);
   return (
     `<tr class="mk-proc ${cls}" data-rank="${p.rank}" data-pid="${p.pid}" data-state="${esc(p.state)}">` +
     `<td>${p.rank}</td>${hosts ? `<td>${esc(p.host)}</td>` : ''}` +
-    `<td class="mk-state" title="${esc(state)}">${esc(state)}</td>` +
+    `<td class="mk-state" title="${esc(full)}">${esc(state)}</td>` +
     `<td>${spark(p.cpu_hist, 100, '#4a90d9')} ${num(p.cpu, '%')}</td>` +
     `<td>${spark(p.rss_hist, 0, '#8e44ad')} ${num(p.rss_mb, 'M')}</td>` +
-    (gpu ? `<td>${num(p.gpu_util, '%')}</td>` : '') + // absent, not 0, on a host without a GPU
+    (gpu ? `<td>${spark(p.gpu_hist || [], 100, '#2e7d32')} ${num(p.gpu_util, '%')}</td>` : '') + // no GPU: no column
     '</tr>'
   );
 }

@@ -25,11 +25,37 @@ def proc_mesh_html(pm) -> str:
 
 
 def actor_mesh_html(am) -> str:
-    st = am._state
-    eps = ", ".join(sorted(st.endpoints)) or "none"
-    inner = proc_mesh_html(type("_PM", (), {"_state": st.proc_state, "_view": am._view})())
-    return (f"<div><b>ActorMesh</b> '{html.escape(st.name)}' of <code>{html.escape(st.class_name)}</code>; "
-            f"endpoints: {html.escape(eps)}{inner}</div>")
+    """What the actors are: their class, endpoints, ranks, and the procs and hosts they
+    live on (``%mesh status`` has the per-proc detail)."""
+    st, view = am._state, am._view
+    ps = st.proc_state
+    dead = runtime().dead
+    refs = [ps.procs[r] for r in view.ranks]
+    gone = [r.rank for r in refs if r.key in dead]
+    state = "stopped" if st.stopped or ps.stopped else (f"alive; dead: {_ranges(gone)}" if gone else "alive")
+    hosts = sorted({r.host for r in refs})
+    rows = [("class", f"<code>{html.escape(st.class_name)}</code>"),
+            ("endpoints", html.escape(", ".join(sorted(st.endpoints)) or "none")),
+            ("ranks", f"{html.escape(_ranges([r.rank for r in refs]))} ({html.escape(view.describe())})"),
+            ("on", f"ProcMesh '{html.escape(ps.name)}' (host{'s' if len(hosts) != 1 else ''} "
+                   f"{html.escape(', '.join(hosts))})"),
+            ("state", html.escape(state))]
+    body = "".join(f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{v}</td></tr>"
+                   for k, v in rows)
+    return (f"<div><b>ActorMesh</b> '{html.escape(st.name)}': {len(refs)} "
+            f"actor{'s' if len(refs) != 1 else ''}<table>{body}</table></div>")
+
+
+def _ranges(ranks) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    ranks, parts, i = sorted(ranks), [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(parts)
 
 
 def host_mesh_html(hm) -> str:

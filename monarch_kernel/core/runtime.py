@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from . import wire
+from . import curve, wire
 from .errors import ActorError, HostUnreachableError, MeshFailure, SupervisionError
 from .future import _PENDING as _PENDING_STATE
 from .future import Future
@@ -35,6 +35,8 @@ log = logging.getLogger("monarch_kernel")
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums cost on the hot path
 HEARTBEAT_S = float(os.environ.get("MONARCH_KERNEL_HEARTBEAT_S", "0.5"))
 HOST_TIMEOUT_S = float(os.environ.get("MONARCH_KERNEL_HOST_TIMEOUT_S", "3.0"))
+# Same-host peers talk over ipc; 0 forces tcp (to measure the tcp path, e.g. with CURVE, on one host).
+SAME_HOST_IPC = os.environ.get("MONARCH_KERNEL_SAME_HOST_IPC", "1") != "0"
 
 
 class ProcRef(NamedTuple):
@@ -50,6 +52,7 @@ class ProcRef(NamedTuple):
     work_ipc: str = ""   # the same inboxes over ipc, for senders on the same host
     ctrl_ipc: str = ""
     host_id: str = ""    # which host (machine and network namespace) these ipc names live on
+    curve: str = ""      # the proc's CURVE public key when its tcp inboxes leave the host (curve.py)
 
 
 class PendingCall:
@@ -133,7 +136,7 @@ class AgentLink:
         self.key = key
         self.sock = rt.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
+        curve.connect(self.sock, addr, curve.agent_keys(key)[0] if curve.wanted(addr) else None)
         self.requests: dict[int, Future] = {}
         self.last_seen = time.monotonic()
         self.last_hb_sent = 0.0
@@ -167,15 +170,18 @@ class Runtime:
         self.inbox.setsockopt(zmq.RCVHWM, 0)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
-        self.inbox.bind(f"tcp://{bind_host}:*")
-        self.address = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.curve_public = curve.process_keys()[0].decode() if curve.wanted(bind_host) else ""
+        self.address = curve.with_key(curve.bind(self.inbox, f"tcp://{bind_host}:*",
+                                                 curve.process_keys()[1] if self.curve_public else None),
+                                      self.curve_public)
+        self.curve_servers: dict[str, str] = {}   # tcp address -> its CURVE public key (curve.py)
         # Peers on this host reach the inbox over ipc (an abstract socket: no file to leak,
         # scoped to this network namespace), 5-30 us quicker a round trip than tcp here.
         self.host_id = host_id()
         self.ipc_address = ipc_name("inbox")
         self.inbox.bind(self.ipc_address)
         self.ipc_alias: dict[str, str] = {}   # tcp address -> ipc address, for same-host peers
-        self.contact = [self.address, self.ipc_address, self.host_id]   # how peers reach us
+        self.contact = [self.address, self.ipc_address, self.host_id, self.curve_public]   # how peers reach us
         self.bind_host = bind_host
         self._tls = threading.local()
         self._all_senders: list[zmq.Socket] = []
@@ -239,7 +245,7 @@ class Runtime:
             s = self.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.LINGER, 2000)
-            s.connect(target)
+            curve.connect(s, target, self.curve_servers.get(target))   # CURVE only on tcp that leaves the host
             socks[target] = s
             self._all_senders.append(s)
         return s
@@ -358,15 +364,16 @@ class Runtime:
                 if self._inbox_holder == self._thread.ident:
                     os.write(self._wake_w, b"i")
             try:
-                self.inbox.bind(f"tcp://{host}:*")
-                addr = self.inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+                pub = curve.process_keys()[0].decode() if curve.wanted(host) else ""
+                addr = curve.with_key(curve.bind(self.inbox, f"tcp://{host}:*",
+                                                 curve.process_keys()[1] if pub else None), pub)
             finally:
                 self._inbox_lock.release()
         finally:
             with self._want_lock:
                 self._inbox_wanted -= 1
-        self.address, self.bind_host = addr, host
-        self.contact = [addr, self.ipc_address, self.host_id]
+        self.address, self.bind_host, self.curve_public = addr, host, pub
+        self.contact = [addr, self.ipc_address, self.host_id, pub]
         return addr
 
     def register_procs(self, refs, key: bytes) -> None:
@@ -375,17 +382,21 @@ class Runtime:
             self.procs[r.key] = (r, key)
             for a in (r.work, r.ctrl, r.work_ipc, r.ctrl_ipc):   # a reused port is live again
                 self._retired.pop(a, None)
-            if r.host_id and r.host_id == self.host_id and r.work_ipc:
+            if r.host_id and r.host_id == self.host_id and r.work_ipc and SAME_HOST_IPC:
                 self.ipc_alias[r.work] = r.work_ipc
                 self.ipc_alias[r.ctrl] = r.ctrl_ipc
+            if getattr(r, "curve", ""):
+                self.curve_servers[r.work] = self.curve_servers[r.ctrl] = r.curve
 
     def learn_contact(self, contact):
         """A peer's ``contact`` ([tcp, ipc, host id], or a bare address) -> its tcp address,
         remembering the ipc alias when the peer shares our host."""
         if isinstance(contact, (list, tuple)):
-            addr, ipc, hid = contact
-            if ipc and hid == self.host_id:
+            addr, ipc, hid = contact[:3]
+            if ipc and hid == self.host_id and SAME_HOST_IPC:
                 self.ipc_alias[addr] = ipc
+            if len(contact) > 3 and contact[3]:
+                self.curve_servers[addr] = contact[3]
             return addr
         return contact
 

@@ -91,12 +91,12 @@ class ValueMesh(Generic[T]):
         return f"ValueMesh({dims}) {{{body}}}"
 
     def _repr_html_(self):
-        labels = list(self._extent.labels) or ["rank"]
-        head = "".join(f"<th>{html.escape(k)}</th>" for k in labels) + "<th>value</th>"
+        # the same columns as a %%on_mesh cell's ValueMesh: rank, each dim, value
+        labels = list(self._extent.labels)
+        head = "<th>rank</th>" + "".join(f"<th>{html.escape(k)}</th>" for k in labels) + "<th>value</th>"
         rows = []
         for p, v in self.items():
-            coords = p.coords or {"rank": p.rank}
-            cells = "".join(f"<td>{c}</td>" for c in coords.values())
+            cells = f"<td>{p.rank}</td>" + "".join(f"<td>{c}</td>" for c in p.coords.values())
             rows.append(f"<tr>{cells}<td><code>{html.escape(repr(v))}</code></td></tr>")
         dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
         return (f"<div><b>ValueMesh</b> ({html.escape(dims)})<table><tr>{head}</tr>"

@@ -19,6 +19,7 @@ a line of text (jupyter/transient.py), so a saved notebook holds no dead widget.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from monarch_kernel.jupyter import on_mesh
 from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
@@ -144,13 +145,14 @@ def on_mesh_tick(run) -> None:
     if run.capture is not None:
         run.capture.go_live()   # what the ranks printed before they paused comes first
     if WidgetMode.on or widget_shown():
-        if WidgetMode.on and getattr(run, "debugger_widget", None) is None:
-            run.debugger_widget = DebuggerWidget(reg)
-            run.debugger_widget.display()
         if reg.pauses > _announced:
             _announced = reg.pauses
             for s in reg.paused():
                 print(f"debugger: {s.describe()}; the debugger widget drives it")
+        if WidgetMode.on and getattr(run, "debugger_widget", None) is None:
+            sys.stdout.flush()   # the line above comes before the widget
+            run.debugger_widget = DebuggerWidget(reg)
+            run.debugger_widget.display()
         c.seen_pauses = reg.pauses
         return
     c.run(on_interrupt=lambda: run.interrupt("interrupted"))

@@ -16,7 +16,8 @@ import importlib
 
 _WHERE = {"JobTrait": "base", "JobState": "base", "JobError": "base", "JobGoneError": "base",
           "job_load": "base", "LocalJob": "local", "ProcessJob": "local", "SlurmJob": "slurm",
-          "SSHJob": "ssh"}
+          "SSHJob": "ssh",
+          "KubernetesJob": "kubernetes", "ImageSpec": "kubernetes"}
 
 __all__ = sorted(_WHERE)
 

@@ -33,6 +33,7 @@ from ..core.hosts import HostMesh
 log = logging.getLogger("monarch_kernel.job")
 
 Progress = Callable[[str], None]
+CACHE = object()   # state()'s default: the cache is the job's mesh connection file
 
 
 class JobError(RuntimeError):
@@ -76,8 +77,11 @@ class JobTrait(ABC):
     #: one agent per mesh without a "hosts" dim (LocalJob) instead of {"hosts": N, ...}
     _local_dims = False
 
+    #: meshes come later (KubernetesJob.add_mesh), so an empty dict is fine at first
+    _meshes_later = False
+
     def __init__(self, meshes: dict[str, int], *, name: str | None = None, lease: float | None = None):
-        if not isinstance(meshes, dict) or not meshes:
+        if not isinstance(meshes, dict) or (not meshes and not self._meshes_later):
             raise ValueError(f"meshes must be a dict of mesh name -> host count, e.g. {{'trainers': 2}}; "
                              f"got {meshes!r}")
         for k, v in meshes.items():
@@ -87,7 +91,7 @@ class JobTrait(ABC):
                 raise ValueError(f"meshes[{k!r}] must be a positive number of hosts, got {v!r}")
         self._meshes = dict(meshes)
         self.lease = float(lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
-        self.name = check_name(name) if name else f"{self.kind}-{self._spec_digest()}"
+        self._name = check_name(name) if name else None
         self._handle: dict | None = None      # the scheduler's id for the allocation
         self._key: bytes | None = None
         self._agents: list[dict] = []         # {"addr", "host", "pid", "mesh", "rank"}
@@ -121,6 +125,11 @@ class JobTrait(ABC):
 
     # ------------------------------------------------------------------ the interface
     @property
+    def name(self) -> str:
+        """The job's mesh name: given, or derived from its spec (the same call, the same name)."""
+        return self._name or f"{self.kind}-{self._spec_digest()}"
+
+    @property
     def job_id(self) -> str | None:
         return (self._handle or {}).get("id")
 
@@ -132,12 +141,16 @@ class JobTrait(ABC):
     def meshes(self) -> dict[str, int]:
         return dict(self._meshes)
 
-    def state(self, cached_path: str | Path | None = None, *, renew: bool = False,
+    def state(self, cached_path: str | Path | None | object = CACHE, *, renew: bool = False,
               progress: Progress | None = None) -> JobState:
         """The job's host meshes: attach to the running allocation (ours, or the one cached
         from an earlier process), or ask the scheduler for one. ``renew=True`` replaces an
-        allocation that is gone instead of raising ``JobGoneError``."""
+        allocation that is gone instead of raising ``JobGoneError``. The cache is the mesh
+        connection file of the job's name; ``cached_path=PATH`` puts it elsewhere and, as in
+        Monarch, ``cached_path=None`` neither reads nor writes one."""
         progress = progress or (lambda text: log.info("%s", text))
+        if not self._meshes:
+            raise ValueError(f"{type(self).__name__} has no meshes yet: add one first (add_mesh)")
         if self._hosts and not any(h._detached for h in self._hosts.values()):
             reason = self._gone_reason()
             if reason is None:
@@ -145,8 +158,8 @@ class JobTrait(ABC):
             self._forget_hosts()
             if not renew:
                 raise self._gone_error(reason)
-        path = Path(cached_path) if cached_path else connection_path(self.name)
-        if self._handle is None:
+        path = connection_path(self.name) if cached_path is CACHE else Path(cached_path) if cached_path else None
+        if self._handle is None and path is not None:
             rec = _read(path)
             if rec is not None:
                 self._adopt(rec, path)
@@ -169,8 +182,10 @@ class JobTrait(ABC):
             self._release()
             self._handle = None
             raise
-        self._key, self._agents = key, agents
-        self.dump(path)
+        # an attach-only job takes the key its running agents already have
+        self._key, self._agents = self.__dict__.pop("_key_from_create", key), agents
+        if path is not None:
+            self.dump(path)
         return self._attach()
 
     def kill(self) -> None:
@@ -249,9 +264,11 @@ class JobTrait(ABC):
             hm._forget()
         self._hosts = {}
 
-    def _reset(self, path: Path) -> None:
+    def _reset(self, path: Path | None) -> None:
         self._forget_hosts()
         self._handle, self._key, self._agents = None, None, []
+        if path is None:
+            return
         try:
             rec = _read(path)
             if rec is not None and (rec.get("job") or {}).get("kind") == self.kind:

@@ -28,10 +28,14 @@ class ProcessJob(JobTrait):
 
     kind = "process"
 
-    def __init__(self, meshes: dict[str, int] | None = None, *, name: str | None = None,
-                 lease: float | None = None):
+    def __init__(self, meshes: dict[str, int] | None = None, env: dict[str, str] | None = None, *,
+                 name: str | None = None, lease: float | None = None):
+        self.env = dict(env or {})   # extra environment of the agents and their procs (Monarch's env=)
         super().__init__(meshes or {"hosts": 1}, name=name, lease=lease)
         self._popen: list = []
+
+    def spec(self) -> dict:
+        return {"meshes": self._meshes, "env": self.env}
 
     def _create(self, key: bytes, progress: Progress) -> list[dict]:
         self._handle = {"id": f"local-{os.getpid()}-{int(time.time())}", "pids": []}
@@ -41,7 +45,7 @@ class ProcessJob(JobTrait):
             for rank in range(n):
                 progress(f"starting host agent {len(agents) + 1}/{total}")
                 agent, proc = start_local_agent(key, name=f"{self.name}.{mesh}.{rank}", persistent=True,
-                                                lease=self.lease)
+                                                lease=self.lease, env=self.env)
                 self._popen.append(proc)
                 self._handle["pids"].append(agent["pid"])
                 agents.append({**agent, "mesh": mesh, "rank": rank})

@@ -47,6 +47,10 @@ _where.add_argument("--job", metavar="VAR", help="hosts from a monarch_kernel.jo
                                                  "(its first mesh)")
 _where.add_argument("--slurm", metavar='"SBATCH ARGS"', help='hosts from a Slurm allocation, e.g. --slurm "-N 2 '
                                                              '-p gpu --gpus-per-node 8"')
+_where.add_argument("--k8s", metavar="NAMESPACE", help="pods in a Kubernetes namespace (with --image and "
+                                                        "--replicas; your kubeconfig)")
+CONNECT.add_argument("--image", metavar="IMAGE", help="--k8s: the pods' image (with this project installed)")
+CONNECT.add_argument("--replicas", type=int, metavar="N", help="--k8s: number of pods (hosts), default 1")
 _where.add_argument("--ssh", metavar="HOST,HOST", help="an agent on each host over ssh (your ssh config and keys), "
                                                        "e.g. --ssh gpu1,alice@gpu2:2222")
 
@@ -73,6 +77,7 @@ def connect(ctx, args):
     dims = ", ".join(f"{k}={v}" for k, v in pm.sizes.items())
     how = "started" if spawned else "re-attached (namespaces and actors kept)"
     progress.done()
+    job = ctx.session.job   # also a job found under the mesh's name
     where = f" on {job.kind} job {job.job_id}" if job is not None else ""
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     dead = pm.dead_ranks()
@@ -135,12 +140,35 @@ class ConnectProgress:
 
 
 # ----------------------------------------------------------------------- status / list
-STATUS = mesh_parser("status", "ranks, pids, state, CPU and memory of each proc of the mesh")
+STATUS = mesh_parser("status", "ranks, pids, state, CPU and memory of each proc of the mesh",
+                     usage="%mesh status [--watch SECONDS]")
+STATUS.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                    help="refresh the table in place every SECONDS (default 2) until the cell is interrupted")
 
 
 @mesh_command(STATUS)
 def status(ctx, args):
     procs, _ = ctx.require()
+    if args.watch is None:
+        return _status_table(ctx, procs)
+    if args.watch <= 0:
+        raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
+    from IPython.display import display, update_display
+
+    handle = display(_status_table(ctx, procs), display_id=True)
+    try:
+        while True:
+            time.sleep(args.watch)
+            procs, _ = ctx.require()
+            update_display(_status_table(ctx, procs), display_id=handle.display_id)
+    except KeyboardInterrupt:   # the kernel's interrupt (the stop button) ends the watch
+        print("stopped watching (the table above is the last refresh)")
+    return None
+
+
+def _status_table(ctx, procs) -> Table:
+    """Columns: ``state`` in the words of the mesh's own repr (alive, dead, stopped) and
+    ``doing``: what a live proc is busy with (idle, running cell, in endpoint ...)."""
     states = procs.states().values()
     usage = {}
     try:
@@ -148,22 +176,29 @@ def status(ctx, args):
     except Exception:
         pass
     show_buffers = any("buffers" in s for s in states)
-    head = ["rank", "host", "pid", "state", "cpu %", "rss MiB", "actors"]
+    head = ["rank", "host", "pid", "state", "doing", "cpu %", "rss MiB", "actors"]
     if show_buffers:
         head.append("buffers")
     rows = []
+    dead = set(procs.dead_ranks())
     for ref, st in zip(procs.procs(), states, strict=False):
         u = usage.get(ref.key, {})
         actors = ", ".join(a for a in st.get("actors", []) if a != CELL_ACTOR)
-        row = [ref.rank, st.get("host", ref.host), st.get("pid", ref.pid), _state(st.get("state", "?")),
+        raw = st.get("state", "?")
+        if procs._state.stopped:
+            state, doing = "stopped", ""
+        elif ref.rank in dead or raw == "dead":
+            state, doing = "dead", ""
+        else:
+            state, doing = "alive", _state(raw)
+        row = [ref.rank, st.get("host", ref.host), st.get("pid", ref.pid), state, doing,
                "" if u.get("cpu") is None else f"{u['cpu']:.0f}",
                "" if u.get("rss") is None else f"{u['rss'] / 2**20:.0f}", actors]
         if show_buffers:
             row.append(_buffers(st.get("buffers")))
         rows.append(row)
     dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
-    dead = procs.dead_ranks()
-    note = f"{rank_ranges(dead)} dead: `mesh.respawn()` replaces them" if dead else ""
+    note = f"{rank_ranges(sorted(dead))} dead: `mesh.respawn()` replaces them" if dead else ""
     title = f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})"
     if ctx.session.job is not None:
         from .jobs import describe_job
@@ -215,7 +250,7 @@ def list_(ctx, args):
         mark = "connected" if name == ctx.session.name and ctx.session.procs is not None else ""
         rows.append([name, "alive" if alive else "gone", len(agents), pids, mark])
     note = "" if rows else "no meshes: `%mesh connect` starts one"
-    return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", ""], rows, note)
+    return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", "this notebook"], rows, note)
 
 
 # ----------------------------------------------------------------------- disconnect / stop

@@ -3,6 +3,7 @@
     %mesh connect NAME --job VAR                      a job object from the notebook
     %mesh connect NAME --slurm "-N 2 -p gpu --gpus-per-node 8"
     %mesh connect NAME --ssh gpu1,alice@gpu2:2222
+    %mesh connect NAME --k8s NAMESPACE --image IMAGE --replicas N
 
 The job is named after the mesh, so re-running the cell in a restarted kernel finds the
 job cached under that name and re-attaches (same job id, procs and actors).
@@ -34,6 +35,19 @@ def job_from_args(user_ns: dict, args, lease: float | None):
 
         nodes, rest = _nodes_from_sbatch_args(args.slurm)
         return SlurmJob(meshes={"hosts": nodes}, slurm_args=rest, name=name, lease=lease)
+    if (getattr(args, "image", None) or getattr(args, "replicas", None)) and not getattr(args, "k8s", None):
+        raise UsageError("%mesh connect: --image and --replicas go with --k8s NAMESPACE")
+    if getattr(args, "k8s", None):
+        from ..job import ImageSpec, KubernetesJob
+
+        if not args.image:
+            raise UsageError("%mesh connect --k8s NAMESPACE needs --image IMAGE (an image with monarch-kernel "
+                             "installed) and optionally --replicas N")
+        replicas = args.replicas or 1
+        if replicas < 1:
+            raise UsageError(f"%mesh connect --replicas must be at least 1, got {replicas}")
+        return KubernetesJob(namespace=args.k8s, name=name, lease=lease).add_mesh(
+            "hosts", replicas, image_spec=ImageSpec(args.image))
     if getattr(args, "ssh", None):
         from ..job import SSHJob
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import shlex
 import sys
@@ -33,7 +34,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.errors import ActorError, MeshGoneError, SupervisionError
 from .display import CellInterrupted, cell_error
-from .on_mesh import _Run, cell_run_args, outcome, select, supervision_message
+from .on_mesh import _Run, cell_run_args, outcome, output_options, select, supervision_message
 from .output import OutputRouter
 from .session import NotConnected, session
 
@@ -115,7 +116,8 @@ class MeshContext:
 # ----------------------------------------------------------------------- %%on_mesh options
 ON_MESH = MagicArgumentParser(
     prog="%%on_mesh", add_help=True,
-    usage="%%%%on_mesh [--ranks SPEC] [--slice DIM=RANGE] [--timeout S] [--out NAME] [--stream]",
+    usage="%%%%on_mesh [--ranks SPEC] [--slice DIM=RANGE] [--timeout S] [--out NAME] [--stream] "
+          "[--group-outputs merged|rank|order] [--show-ranks SPEC] [--quiet-ranks SPEC]",
     description="Run the cell on each selected rank, in that rank's persistent namespace "
                 "(rank, world_size, mesh and display are predefined). The last expression's "
                 "values come back as a ValueMesh.")
@@ -125,7 +127,12 @@ ON_MESH.add_argument("--timeout", type=float, metavar="S", help="interrupt every
 ON_MESH.add_argument("--out", metavar="NAME", help="store the ValueMesh in this notebook variable")
 ON_MESH.add_argument("--stream", action="store_true",
                      help="write output as it arrives (default: hold up to 1 s, then stream)")
-_VALUED = {"--ranks", "--slice", "--timeout", "--out"}
+ON_MESH.add_argument("--group-outputs", choices=("merged", "rank", "order", "engine"), default="merged",
+                     help="merged: identical lines once, with their ranks (default); rank: each rank's "
+                          "output together; order: collated, every rank's first line, then second...")
+ON_MESH.add_argument("--show-ranks", metavar="SPEC", help="show only these ranks' output (the cell runs on all)")
+ON_MESH.add_argument("--quiet-ranks", metavar="SPEC", help="hide these ranks' output (kept in `%%mesh logs`)")
+_VALUED = {"--ranks", "--slice", "--timeout", "--out", "--group-outputs", "--show-ranks", "--quiet-ranks"}
 
 
 def split_line_options(line: str) -> tuple[list[str], str]:
@@ -204,8 +211,9 @@ class MeshMagics(Magics):
         except _HelpShown:
             return None
         procs, cells = self.require()
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise UsageError(f"--timeout must be a positive, finite number of seconds, got {args.timeout:g}; "
+                             "leave it out to wait as long as the cell runs")
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
         try:
@@ -213,7 +221,11 @@ class MeshMagics(Magics):
         except (ValueError, TypeError) as e:
             raise UsageError(f"%%on_mesh: {e}\n{ON_MESH.format_usage().rstrip()}")
         run_args = cell_run_args(CELL_NUMBER.now, code, want_value)
-        cap = self.router.begin(target._view.ranks, live=args.stream)
+        try:
+            options = output_options(cells, args)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"%%on_mesh: {e}\n{ON_MESH.format_usage().rstrip()}")
+        cap = self.router.begin(target._view.ranks, live=args.stream, options=options)
         try:
             run = _Run(target, "run", run_args, args.timeout, cap)
         except SupervisionError as e:

@@ -26,8 +26,10 @@ from collections.abc import Callable
 from ..core.errors import ActorError, SupervisionError
 from ..core.mesh import ActorMesh, ProcMesh
 from ..core.shape import MeshView, parse_rank_spec
+from .cell_progress import MIN_RANKS, CellProgress
 from .cells import CellFailure
 from .display import CellInterrupted, CellValues, cell_error
+from .text_output import OutputOptions
 
 TICK_S = 0.1
 STOP_GRACE_S = 2.0
@@ -51,6 +53,15 @@ def select(cells: ActorMesh, ranks: str | None, slice_: str | None) -> ActorMesh
     if ranks:
         view = parse_rank_spec(ranks, view)
     return ActorMesh(cells._state, view)
+
+
+def output_options(cells: ActorMesh, args) -> OutputOptions:
+    """``--group-outputs``, ``--show-ranks``, ``--quiet-ranks`` (specs in the mesh's ranks)."""
+    def ranks(spec):
+        return parse_rank_spec(spec, cells._view).ranks if spec else None
+
+    return OutputOptions(args.group_outputs, ranks(args.show_ranks), ranks(args.quiet_ranks),
+                         args.show_ranks or "", args.quiet_ranks or "")
 
 
 def cell_filename(execution_count) -> str:
@@ -87,6 +98,8 @@ class _Run:
         self.reason = ""
         self.debugger_widget = None   # set by the debugger's wait hook when it opens one here
         self._last_interrupt = 0.0
+        if capture is not None and len(self.ranks) >= MIN_RANKS:
+            capture.progress = CellProgress(self, capture.router, capture.parent)
 
     def interrupt(self, reason: str) -> None:
         if self.interrupted_at is None:
@@ -103,6 +116,8 @@ class _Run:
         cap = self.capture
         if cap is not None and not cap.live and now - self.started >= _hold_s():
             cap.go_live()
+        if cap is not None:
+            cap.poll()   # the merge window of live output, the progress line
         if self.interrupted_at is None:
             if self.timeout is not None and now - self.started >= self.timeout:
                 self.interrupt(f"timed out after {self.timeout:g} s")

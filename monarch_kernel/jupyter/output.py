@@ -23,6 +23,7 @@ import threading
 import uuid
 
 from .rank_grid import grid_bundle, is_rich
+from .text_output import OutputOptions, TextLimits, collate, label, merge, split_lines
 
 HOLD_S = float(os.environ.get("MONARCH_KERNEL_HOLD_S", "1.0"))
 
@@ -50,24 +51,36 @@ def label_display(rank: int, data: dict, metadata: dict) -> tuple[dict, dict]:
 
 
 class CellCapture:
-    """The output of one running cell: held (then ordered by rank) or live.
+    """The output of one running cell: held (then grouped) or live.
 
+    Text goes through text_output.py: merged, grouped by rank or collated
+    (``--group-outputs``), filtered (``--show-ranks``/``--quiet-ranks``) and bounded.
     Rich displays (figures, HTML) of several ranks become one grid output (rank_grid.py):
     held, it is written when the cell ends; live, it is written at the first one and
     updated in place (a display id) as more arrive."""
 
-    def __init__(self, router: OutputRouter, parent: dict | None, ranks, live: bool):
+    def __init__(self, router: OutputRouter, parent: dict | None, ranks, live: bool,
+                 options: OutputOptions | None = None):
         self.router = router
         self.parent = parent
         self.ranks = set(ranks)
         self.live = live
+        self.options = options or OutputOptions()
+        self.limits = TextLimits(self.options)
         self.held: list[tuple[int, tuple]] = []
         self.rich: list[tuple[int, dict]] = []   # live: what the grid shows so far
         self.grid_id: str | None = None
+        self.progress = None   # cell_progress.CellProgress, for cells on many ranks
         self.lock = threading.Lock()
 
     def add(self, rank: int, item: tuple) -> None:
         with self.lock:
+            if not self.options.wants(rank):
+                self.limits.hidden[rank] += 1
+                return
+            if item[0] == "stream":
+                self._add_text(rank, item[1], item[2])
+                return
             if not self.live:
                 self.held.append((rank, item))
                 return
@@ -76,35 +89,108 @@ class CellCapture:
                 return
         self.router.emit(rank, item, self.parent)
 
+    def _add_text(self, rank: int, stream: str, text: str) -> None:
+        """Under the lock: hold, merge in the window, or write (within the budget)."""
+        lim = self.limits
+        if not self.live:
+            if lim.admit_held(rank, text.count("\n") or 1):
+                self.held.append((rank, ("stream", stream, text)))
+            return
+        if self.options.mode == "merged":
+            lim.add_to_window(rank, stream, text)
+            if lim.window_due():
+                self._write(lim.take_window(), self.parent)
+            return
+        self._write(lim.writable([(stream, t, [rank]) for t in split_lines(text)]), self.parent)
+
+    def poll(self) -> None:
+        """About 10 times a second while the cell runs (on_mesh._Run.tick): write a merge
+        window that waited long enough, and refresh the progress line."""
+        with self.lock:
+            if self.live and self.limits.window_due():
+                self._write(self.limits.take_window(), self.parent)
+        if self.progress is not None:
+            self.progress.tick()
+
     def go_live(self) -> None:
-        """Write what was held, in arrival order, and stream the rest."""
+        """Write what was held, in arrival order (merged when asked), and stream the rest."""
         with self.lock:
             if self.live:
                 return
             self.live = True
             held, self.held = self.held, []
-            for rank, item in held:
-                if item[0] == "display" and is_rich(item[1]):
-                    self._grow_grid(rank, item[1], self.parent)
-                else:
-                    self.router.emit(rank, item, self.parent)
+            self._write_held(held, self.parent, collated=False, display=self._show_live)
 
     def finish(self) -> None:
-        """The cell is done: write what was held, ordered by rank (stable per rank); the
-        rich displays of two or more ranks after it, as one grid."""
+        """The cell is done: write what was held, grouped as asked (``rank``: each rank's
+        output together; ``order``: collated; ``merged``: identical lines once); the rich
+        displays of two or more ranks as one grid; then what was not shown, and where it is."""
         with self.lock:
             held, self.held = self.held, []
             self.live = True
-        held.sort(key=lambda ri: ri[0])
+            groups = self.limits.take_window()
+        self._write(groups, None)
+        if self.options.mode != "order":
+            held.sort(key=lambda ri: ri[0])
         rich = [(r, it[1]) for r, it in held if it[0] == "display" and is_rich(it[1])]
         if len({r for r, _ in rich}) < 2:
             rich = []
-        for rank, item in held:
-            if not (rich and item[0] == "display" and is_rich(item[1])):
-                self.router.emit(rank, item, None)
+        self._write_held([ri for ri in held if not (rich and ri[1][0] == "display" and is_rich(ri[1][1]))],
+                         None, collated=self.options.mode == "order")
         if rich:
             self.router.publish(*grid_bundle(rich), None)
+        notes = self.limits.closing_notes()
+        if notes:
+            self.router.write_text("stderr", notes, None)
+        if self.progress is not None:
+            self.progress.finish()
         self.router.flush()
+
+    def _show_live(self, rank: int, item: tuple, parent) -> None:
+        if item[0] == "display" and is_rich(item[1]):
+            self._grow_grid(rank, item[1], parent)
+        else:
+            self.router.emit(rank, item, parent)
+
+    def _write_held(self, held: list[tuple[int, tuple]], parent, collated: bool, display=None) -> None:
+        """Held text as ``--group-outputs`` says; displays through ``display(rank, item,
+        parent)`` (default: written as they are)."""
+        display = display or self.router.emit
+        if self.options.mode == "merged":
+            lines = [(r, it[1], t) for r, it in held if it[0] == "stream" for t in split_lines(it[2])]
+            self._write(self.limits.writable(merge(lines)), parent)
+            for rank, item in held:
+                if item[0] != "stream":
+                    display(rank, item, parent)
+            return
+        items = [(r, ("line", it[1], t)) if it[0] == "stream" else (r, it)
+                 for r, it in held for t in (split_lines(it[2]) if it[0] == "stream" else [None])]
+        if collated:
+            items = collate(items)
+        pending: list[tuple[str, str, list[int]]] = []
+        for rank, item in items:
+            if item[0] == "line":
+                pending.append((item[1], item[2], [rank]))
+                continue
+            self._write(self.limits.writable(pending), parent)
+            pending = []
+            display(rank, item, parent)
+        self._write(self.limits.writable(pending), parent)
+
+    def _write(self, groups: list[tuple[str, str, list[int]]], parent) -> None:
+        """Labelled lines, one write per run of the same stream."""
+        run_stream, run = None, []
+        for stream, text, ranks in groups:
+            if stream != run_stream and run:
+                self.router.write_text(run_stream, "".join(run), parent)
+                run = []
+            run_stream = stream
+            run.append(label(ranks, text))
+        if run:
+            self.router.write_text(run_stream, "".join(run), parent)
+        notice = self.limits.first_limit_notice()
+        if notice:
+            self.router.write_text("stderr", notice, parent)
 
     def _grow_grid(self, rank: int, data: dict, parent) -> None:
         self.rich.append((rank, data))
@@ -145,10 +231,10 @@ class OutputRouter:
             self.emit(rank, item, self.last_parent)
 
     # ---------------------------------------------------------------- a cell
-    def begin(self, ranks, live: bool = False) -> CellCapture:
+    def begin(self, ranks, live: bool = False, options: OutputOptions | None = None) -> CellCapture:
         parent = self._current_parent()
         self.last_parent = parent
-        cap = self.active = CellCapture(self, parent, ranks, live)
+        cap = self.active = CellCapture(self, parent, ranks, live, options)
         return cap
 
     def end(self, cap: CellCapture) -> None:
@@ -170,13 +256,17 @@ class OutputRouter:
         """Write one item; ``parent`` set means "from a non-main thread, for that cell"."""
         if item[0] == "stream":
             _, stream, text = item
-            out = self._streams.get(stream) if parent is not None else None
-            if out is None:
-                out = sys.stderr if stream == "stderr" else sys.stdout
-            self._with_parent(out, parent, lambda: out.write(label_lines(rank, text)))
+            self.write_text(stream, label_lines(rank, text), parent)
         else:
             _, data, metadata = item
             self.publish(*label_display(rank, data, metadata), parent)
+
+    def write_text(self, stream: str, text: str, parent: dict | None) -> None:
+        """Already labelled text to the notebook's stdout or stderr."""
+        out = self._streams.get(stream) if parent is not None else None
+        if out is None:
+            out = sys.stderr if stream == "stderr" else sys.stdout
+        self._with_parent(out, parent, lambda: out.write(text))
 
     def publish(self, data: dict, md: dict, parent: dict | None, display_id: str | None = None,
                 update: bool = False) -> None:

@@ -89,11 +89,18 @@ class MeshSession:
         name = name or (job.name if job is not None else default_mesh_name())
         if self._prewarm is not None:
             self._prewarm.join()
+        if job is None:
+            job = _cached_job(name)   # `%mesh connect NAME` of a job's mesh: re-attach through the job
         if self.host is not None and (self.name != name or job is not None):
             self.disconnect()
         stale = hosts_mod._named.get(name)
         if stale is not None and not stale._detached and not host_alive(stale):
             stale._forget()
+        if job is not None and self._prewarmed == name:
+            pre = hosts_mod._named.get(name)   # a local agent started ahead of time holds the name
+            if pre is not None and not pre._detached and not pre.proc_meshes:
+                pre.shutdown()
+            self._prewarmed = None
         if job is not None:
             state = job.state(progress=job_progress)
             hm = state[next(iter(job.meshes))]

@@ -21,7 +21,8 @@ READY = "MONARCH_AGENT_READY "
 
 def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float | None = None,
                       conn_file: str | Path | None = None, bind: str = "127.0.0.1",
-                      timeout: float = 60.0, python: str | None = None) -> tuple[dict, subprocess.Popen]:
+                      timeout: float = 60.0, python: str | None = None,
+                      env: dict | None = None) -> tuple[dict, subprocess.Popen]:
     logs = home() / "logs"
     logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_path = logs / f"{name}.log"
@@ -34,7 +35,7 @@ def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float |
         args += ["--lease", str(lease)]
     if conn_file:
         args += ["--conn-file", str(conn_file)]
-    env = dict(os.environ, MONARCH_KERNEL_KEY=key.hex())
+    env = dict(os.environ, **(env or {}), MONARCH_KERNEL_KEY=key.hex())
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(log_path, "ab") as log:

@@ -338,7 +338,10 @@ def _too_large(root, found, total, limit) -> str:
     files = sorted(((st.st_size, rel) for rel, st, link in found if link is None), reverse=True)[:3]
     lines = [f"  {name:<40} {human(size)}" for name, size in biggest]
     lines += [f"  (largest file) {rel}  {human(size)}" for size, rel in files]
-    return (f"{root} holds {human(total)} to sync, over the limit of {human(limit)}. Largest parts:\n"
+    have, cap = human(total), human(limit)
+    if have == cap:   # "1.1 GB over the limit of 1.1 GB": say the bytes
+        have, cap = f"{total:,} bytes", f"{limit:,} bytes"
+    return (f"{root} holds {have} to sync, over the limit of {cap}. Largest parts:\n"
             + "\n".join(lines) + "\nExclude them in a .meshignore file in that folder (one pattern a "
             "line, .gitignore syntax, e.g. 'data/' or '*.ckpt'), pass excludes=[...] (--exclude), "
             "or raise the limit with max_bytes= (--max-size) or MONARCH_KERNEL_SYNC_MAX_BYTES.")

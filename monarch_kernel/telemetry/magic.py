@@ -54,8 +54,8 @@ def logs(ctx, args):
             time.sleep(FOLLOW_POLL_S)
             ans = tel.logs(ranks, args.grep, None, since=since)
             since = ans["since"]
-            for line in ans["lines"]:
-                print(format_line(line, args.time), flush=True)
+            if ans["lines"]:   # one write a batch: the interrupt mostly lands in the sleep
+                print("\n".join(format_line(line, args.time) for line in ans["lines"]), flush=True)
     except KeyboardInterrupt:
         print("(stopped following)")
     return None

@@ -81,7 +81,8 @@ def describe_mesh(name: str, info: dict, alive: bool) -> dict:
                 "actors": [a for a in p.get("actors", []) if a != "__cells__"], "buffers": p.get("buffers"),
                 "cpu": s.get("cpu") if alive_p else None, "rss_mb": s.get("rss") if alive_p else None,
                 "gpu_util": s.get("gpu_util") if alive_p else None,
-                "cpu_hist": s.get("cpu_hist", []), "rss_hist": s.get("rss_hist", [])})
+                "cpu_hist": s.get("cpu_hist", []), "rss_hist": s.get("rss_hist", []),
+                "gpu_hist": s.get("gpu_hist", [])})
     mesh["procs"].sort(key=lambda p: (p["mesh"], p["rank"]))
     return mesh
 
@@ -91,11 +92,27 @@ def _latest(agent: str) -> dict:
                          "and time > ? order by time", (agent, time.time() - SPARK_S))
     out: dict = {}
     for mesh, rank, cpu, rss, gpu, _t in rows:
-        d = out.setdefault((mesh, rank), {"cpu_hist": [], "rss_hist": []})
+        d = out.setdefault((mesh, rank), {"cpu_hist": [], "rss_hist": [], "gpu_hist": []})
         d["cpu_hist"].append(round(cpu, 1))
         d["rss_hist"].append(round(rss, 1))
+        if gpu is not None:   # no GPU: no line at all, not a line at zero
+            d["gpu_hist"].append(round(gpu, 1))
         d.update(cpu=cpu, rss=rss, gpu_util=gpu)
     return out
+
+
+def _forget_gone_agents(meshes: list[dict]) -> None:
+    """Close this server's links to agents whose mesh is gone (no socket per dead mesh)."""
+    from monarch_kernel.core.runtime import runtime
+
+    rt = runtime()
+    live = {a["addr"] for m in meshes if m["alive"] for a in m["info"].get("agents", [])}
+    st = store()
+    for addr in list(st.cursors):
+        if addr not in live:
+            rt.forget_agent(addr)
+            st.cursors.pop(addr, None)
+            st.hosts.pop(addr, None)
 
 
 def _kernel_pid(server, kernel_id: str | None) -> int | None:
@@ -114,6 +131,7 @@ class MeshesHandler(APIHandler):
         meshes = _meshes()
         described = await asyncio.to_thread(lambda: [describe_mesh(m["name"], m["info"], m["alive"])
                                                      for m in meshes])
+        _forget_gone_agents(meshes)
         pid = _kernel_pid(self.settings.get("serverapp") or self, self.get_argument("kernel", None))
         mine = next((m["name"] for m in described if pid and pid in m["controller_pids"]), None)
         self.finish(json.dumps({"meshes": described, "kernel_mesh": mine, "time": time.time()}))

@@ -14,6 +14,7 @@ import torch
 from .dist import ensure_group
 from .engine import TensorEngine, TensorOpError, issued_at, label_text
 from .layout import layout_html, layout_text, normalize_placements
+from .meta import META_CACHE, SAME_META_INPLACE, cache_key, device_move, remember
 from .worker import Ref
 
 # Results that depend on the data: computed on the ranks and fetched (a sync point).
@@ -225,11 +226,11 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
     device = handles[0]._device
     margs, mkwargs = _swap(args, _meta_of), {k: _swap(v, _meta_of) for k, v in kwargs.items()}
     if name in ("to", "cuda", "cpu"):
-        device, margs, mkwargs = _device_move(name, device, margs, mkwargs)
+        device, margs, mkwargs = device_move(name, device, margs, mkwargs)
         if name != "to":
             fn, name = "to", "to"
-    key = _cache_key(fn, name, args, kwargs) if meta_fn is None else None
-    hit = _META_CACHE.get(key) if key is not None else None
+    key = cache_key(fn, name, args, kwargs, DistributedTensor) if meta_fn is None else None
+    hit = META_CACHE.get(key) if key is not None else None
     if hit is not None:
         return _issue_cached(engine, hit, fn, args, kwargs, handles, device, label)
     try:
@@ -250,12 +251,12 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
     if isinstance(result, torch.Tensor):
         same = next((h for h in handles if h._meta is result), None)
         if same is not None:   # in-place: the same handle, the same tensor on the ranks
-            if key is not None and name in _SAME_META_INPLACE:
-                _remember(key, ("inplace", handles.index(same)))
+            if key is not None and name in SAME_META_INPLACE:
+                remember(key, ("inplace", handles.index(same)))
             engine.submit(same._id, fn, rargs, rkwargs, label)
             return same
         if key is not None:
-            _remember(key, ("new", result.shape, result.dtype))
+            remember(key, ("new", result.shape, result.dtype))
         out = DistributedTensor(engine, engine.new_id(), result, device)
         engine.submit(out._id, fn, rargs, rkwargs, label)
         return out
@@ -264,56 +265,6 @@ def apply(fn, args: tuple, kwargs: dict, name: str, meta_fn=None):
         engine.submit(tuple(o._id for o in outs), fn, rargs, rkwargs, label)
         return type(result)(outs) if type(result) in (tuple, list) else tuple(outs)
     return result   # shape arithmetic the meta tensor answers (size(), dim(), ...)
-
-
-# ---------------------------------------------------------------- the meta-result cache
-# Meta kernels of even ``a + 1`` run through Python refs (about 1 ms): the result's shape and
-# dtype are remembered per (op, operand shapes/dtypes, other arguments). For elementwise
-# ops a Python scalar counts by its type only (its value cannot change shape or dtype).
-_META_CACHE: dict = {}
-_META_CACHE_MAX = 4096
-_ELEMENTWISE = {f"__{n}__" for n in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv",
-                                      "iadd", "isub", "imul", "itruediv", "pow", "rpow", "neg", "abs")} | {
-    "add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_", "relu", "exp", "log", "sqrt", "tanh",
-    "sigmoid", "sin", "cos", "neg", "abs", "relu_", "clamp"}
-_SAME_META_INPLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_",
-                      "relu_", "zero_", "fill_", "copy_", "clamp_", "normal_", "uniform_"}
-
-
-def _cache_key(fn, name, args, kwargs):
-    elementwise = name in _ELEMENTWISE
-    parts = [fn]
-    for a in (*args, *kwargs.items()):
-        t = type(a)
-        if t is DistributedTensor:
-            m = a._meta
-            parts.append((m.shape, m.dtype))
-        elif t in (int, float, bool, complex):
-            parts.append(t if elementwise else (t, a))
-        elif t is tuple and kwargs and a in kwargs.items():
-            k, v = a
-            if type(v) is DistributedTensor:
-                parts.append((k, v._meta.shape, v._meta.dtype))
-            elif v is None or type(v) in (int, float, bool, str, torch.dtype):
-                parts.append(a)
-            else:
-                return None
-        elif a is None or t in (str, torch.dtype) or (t is tuple and all(type(x) is int for x in a)):
-            parts.append((t, a))
-        elif t is slice and all(x is None or type(x) is int for x in (a.start, a.stop, a.step)):
-            parts.append((a.start, a.stop, a.step))
-        else:
-            return None
-    try:
-        return tuple(parts)
-    except TypeError:
-        return None
-
-
-def _remember(key, value) -> None:
-    if len(_META_CACHE) >= _META_CACHE_MAX:
-        _META_CACHE.clear()
-    _META_CACHE[key] = value
 
 
 def _issue_cached(engine, hit, fn, args, kwargs, handles, device, label):
@@ -333,27 +284,6 @@ def _rebuildable(e: Exception) -> bool:
         return True
     except Exception:
         return False
-
-
-def _device_move(name, device, margs, mkwargs):
-    """``.to(device/dtype)``, ``.cuda()``, ``.cpu()``: the device is tracked here, the meta
-    tensor only sees the dtype."""
-    if name == "cuda":
-        return "cuda", margs[:1], {}
-    if name == "cpu":
-        return "cpu", margs[:1], {}
-    rest = [margs[0]]
-    for a in margs[1:]:
-        if isinstance(a, (str, torch.device)):
-            device = torch.device(a).type
-        elif isinstance(a, torch.Tensor):
-            rest.append(a.dtype)
-        else:
-            rest.append(a)
-    kw = dict(mkwargs)
-    if "device" in kw:
-        device = torch.device(kw.pop("device")).type
-    return device, tuple(rest), kw
 
 
 def _run_and_fetch(engine: TensorEngine, fn, args, kwargs, label):

@@ -87,7 +87,18 @@ def _place_text(p) -> str:
         return f"Shard({p.dim})"
     if isinstance(p, Replicate):
         return "Replicate()"
-    return type(p).__name__ + "()"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op})"
+    return repr(p)
+
+
+def _cell_text(shape, spans, placements) -> str:
+    """What one rank holds: its slice and local shape, or a partial value."""
+    part = [p for p in placements if isinstance(p, Partial)]
+    note = f" partial {part[0].reduce_op}" if part else ""
+    if not spans:
+        return "scalar" + note
+    return f"{_span_text(shape, spans)} " + "×".join(str(b - a) for a, b in spans) + note
 
 
 def layout_text(h) -> str:
@@ -110,7 +121,8 @@ def layout_html(h) -> str:
         for c in range(cols):
             rank = r * cols + c
             tds.append(f"<td style='border:1px solid #999;padding:2px 6px;text-align:center'>"
-                       f"<b>rank {rank}</b><br><code>{html.escape(_span_text(shape, spans[rank]))}</code></td>")
+                       f"<b>rank {rank}</b><br><code>{html.escape(_cell_text(shape, spans[rank], placements))}</code>"
+                       "</td>")
         cells.append("<tr>" + "".join(tds) + "</tr>")
     head = (f"<b>DistributedTensor</b> shape <code>{shape}</code>, <code>{dtype}</code>, {device}, "
             f"placements <code>[{html.escape(places)}]</code> on mesh '{html.escape(st.name)}' ({dims})")

@@ -24,8 +24,9 @@ import socket
 from monarch_kernel.core.actors import Actor, endpoint
 from monarch_kernel.core.context import current_rank
 
+from .group_worker import GROUP, _bind_address, _gloo_ifname, _tcp_fds, abort_group
+
 STORE: dict[int, object] = {}
-GROUP: dict = {"generation": 0, "device_mesh": None, "backend": None}
 
 
 class Ref:
@@ -99,26 +100,6 @@ def local_shard(tid: int):
     return getattr(value, "_local_tensor", value)
 
 
-def _bind_address() -> str:
-    import workers.proc as proc_mod
-
-    bind = proc_mod.WORKER.work_addr.split("//", 1)[1].rsplit(":", 1)[0]
-    return "127.0.0.1" if bind in ("0.0.0.0", "*") else bind
-
-
-def _gloo_ifname(address: str) -> str | None:
-    """The network interface that holds ``address`` (this proc's bind address), so gloo
-    talks on the network the mesh uses rather than whatever the hostname resolves to."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
-            return name
-    return None
-
-
 def _resolve(arg):
     t = type(arg)
     if t is Ref:
@@ -137,36 +118,6 @@ def _resolve(arg):
 class _Poisoned(Exception):
     def __init__(self, failure: OpFailure):
         self.failure = failure
-
-
-def _tcp_fds(skip_port: int = -1) -> set[int]:
-    """This process's established TCP sockets, but those to or from ``skip_port``."""
-    import psutil
-
-    return {c.fd for c in psutil.Process().net_connections(kind="tcp")
-            if c.fd >= 0 and c.status == psutil.CONN_ESTABLISHED and c.raddr
-            and skip_port not in (c.laddr.port, c.raddr.port)}
-
-
-def abort_group(msg=None) -> None:
-    """(I/O thread) A peer of the group died: shut down the group's TCP sockets, so a
-    collective blocked in C++ on this rank's main thread fails at once ("Connection closed")
-    instead of waiting out the timeout for a peer that will never send. gloo's own
-    ``abort()`` does not wake a waiting collective (tried: torch 2.13)."""
-    if msg is not None and msg[1] != GROUP["generation"]:
-        return
-    for fd in GROUP.get("fds", ()):
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            s.close()
-    GROUP["fds"] = set()
 
 
 class TensorWorker(Actor):

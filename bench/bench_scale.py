@@ -1,0 +1,190 @@
+"""How the runtime's costs grow with the number of procs on one host (issue 11's baseline).
+
+    .venv/bin/python bench/bench_scale.py [--n 4,16,64] [--with-256] [--no-ipyparallel] [--no-kernel]
+
+For each N (one host agent, N procs), JSON lines {"system", "metric", "value", "unit", "n", ...}:
+  * spawn_procs_s: ``spawn_procs`` of N, an actor on each, and a first call to all answered;
+  * call_all_p50_us / p90: ``actors.noop.call().get()`` to all N;
+  * controller_cpu_per_call_all_ms: CPU time of the controller process (all its threads)
+    per call to all, over the same calls;
+  * bcast_1KB_p50_us, bcast_1MB_p50_us: one call to all N carrying a 1 KB / 1 MB bytes
+    argument;
+  * output_line_per_rank_p50_us: a call to all in which each rank prints one line, until
+    every line has reached the controller (the reply follows its rank's output);
+  * on_mesh_trivial_cell_p50_ms: a ``%%on_mesh`` cell ``x = 1`` on N ranks through a real
+    kernel (jupyter_client), kernel-side (from the kernel starting the request to its reply);
+  * ipyparallel_bcast_1KB_p50_us / _1MB / ipyparallel_call_all_p50_us /
+    ipyparallel_start_s: the same broadcast with ipyparallel's DirectView
+    (``apply_sync``) to N engines on this host, started and stopped by this script
+    (``pip install -e .[bench]``).
+256 procs only with ``--with-256`` (heavy on a small machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-scale-"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from monarch_kernel.actor import Actor, endpoint, this_host  # noqa: E402
+
+MACHINE = f"{platform.machine()} {os.cpu_count()} cores"
+
+
+def emit(metric: str, value: float, unit: str, **extra) -> None:
+    print(json.dumps({"system": extra.pop("system", "monarch-kernel"), "metric": metric,
+                      "value": round(value, 4), "unit": unit, "machine": MACHINE, **extra}), flush=True)
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def iters_for(n: int) -> int:
+    return max(20, 2000 // n)
+
+
+class ScaleBench(Actor):
+    @endpoint
+    def noop(self):
+        return None
+
+    @endpoint
+    def take(self, payload: bytes) -> int:
+        return len(payload)
+
+    @endpoint
+    def say(self, i: int) -> None:
+        print(f"line {i}")
+
+
+def timed_calls(fn, iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def actor_api(host, n: int) -> None:
+    from monarch_kernel.core.runtime import runtime
+
+    t0 = time.perf_counter()
+    procs = host.spawn_procs(per_host={"gpus": n}, name=f"scale{n}")
+    actors = procs.spawn("scale", ScaleBench)
+    actors.noop.call().get()
+    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n)
+    iters = iters_for(n)
+    try:
+        for _ in range(5):
+            actors.noop.call().get()
+        cpu0 = time.process_time()
+        s = timed_calls(lambda: actors.noop.call().get(), iters)
+        cpu = time.process_time() - cpu0
+        emit("call_all_p50_us", pct(s, 0.5) * 1e6, "us", n=n, iters=iters)
+        emit("call_all_p90_us", pct(s, 0.9) * 1e6, "us", n=n, iters=iters)
+        emit("controller_cpu_per_call_all_ms", cpu / iters * 1e3, "ms", n=n, iters=iters)
+        for size, name in ((1024, "1KB"), (1024 * 1024, "1MB")):
+            payload = os.urandom(size)
+            k = max(10, iters // (8 if size > 4096 else 1))
+            s = timed_calls(lambda p=payload: actors.take.call(p).get(), k)
+            emit(f"bcast_{name}_p50_us", pct(s, 0.5) * 1e6, "us", n=n, iters=k)
+        rt = runtime()
+        seen = []
+        old, rt.output = rt.output, lambda rank, stream, text: seen.append(rank)
+        try:
+            k = max(10, iters // 2)
+            s = timed_calls(lambda: actors.say.call(1).get(), k)
+        finally:
+            rt.output = old
+        assert len(seen) == n * k, (len(seen), n * k)
+        emit("output_line_per_rank_p50_us", pct(s, 0.5) * 1e6, "us", n=n, iters=k)
+    finally:
+        procs.stop()
+
+
+def kernel_cells(ns: list[int], cells: int = 20) -> None:
+    from kernel_harness import KernelHarness
+
+    k = KernelHarness(env={"MONARCH_KERNEL_HOME": os.environ["MONARCH_KERNEL_HOME"]})
+    names = []
+    try:
+        for n in ns:
+            name = f"bench-scale-{n}"
+            names.append(name)
+            k.ok(f"%mesh connect {name} --procs {n}", timeout=600)
+            for _ in range(3):
+                k.ok("%%on_mesh\nx = 1")
+            s = [k.ok("%%on_mesh\nx = 1").kernel_seconds for _ in range(cells)]
+            emit("on_mesh_trivial_cell_p50_ms", statistics.median(s) * 1e3, "ms", n=n, cells=cells)
+            k.ok(f"%mesh stop {name}", timeout=120)
+            names.remove(name)
+    finally:
+        k.close(stop_meshes=tuple(names))
+
+
+def ipyparallel_bcast(n: int) -> None:
+    import ipyparallel as ipp
+
+    os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="mk-bench-ipython-"))
+    t0 = time.perf_counter()
+    cluster = ipp.Cluster(n=n, log_level=40)
+    try:
+        rc = cluster.start_and_connect_sync(activate=False)
+        rc.wait_for_engines(n, timeout=600)
+        emit("ipyparallel_start_s", time.perf_counter() - t0, "s", n=n, system="ipyparallel")
+        dv = rc[:]
+        iters = iters_for(n)
+        dv.apply_sync(len, b"")
+        s = timed_calls(lambda: dv.apply_sync(int), max(10, iters // 4))
+        emit("ipyparallel_call_all_p50_us", pct(s, 0.5) * 1e6, "us", n=n, system="ipyparallel")
+        for size, name in ((1024, "1KB"), (1024 * 1024, "1MB")):
+            payload = os.urandom(size)
+            k = max(10, iters // (8 if size > 4096 else 4))
+            s = timed_calls(lambda p=payload: dv.apply_sync(len, p), k)
+            emit(f"ipyparallel_bcast_{name}_p50_us", pct(s, 0.5) * 1e6, "us", n=n, iters=k, system="ipyparallel")
+        rc.close()
+    finally:
+        cluster.stop_cluster_sync()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", default="4,16,64", help="proc counts, comma-separated")
+    ap.add_argument("--with-256", action="store_true", help="also N=256 (minutes, GBs of memory)")
+    ap.add_argument("--no-ipyparallel", action="store_true")
+    ap.add_argument("--no-kernel", action="store_true")
+    a = ap.parse_args()
+    ns = [int(x) for x in a.n.split(",") if x]
+    if a.with_256 and 256 not in ns:
+        ns.append(256)
+    emit("load_average_1m_at_start", os.getloadavg()[0], "", note="shared machine: figures are noisy")
+    host = this_host()
+    try:
+        for n in ns:
+            actor_api(host, n)
+    finally:
+        host.shutdown()
+    if not a.no_kernel:
+        kernel_cells(ns)
+    if not a.no_ipyparallel:
+        for n in ns:
+            try:
+                ipyparallel_bcast(n)
+            except Exception as e:   # a figure we could not take is said so, not dropped silently
+                emit("ipyparallel_failed", 1, "", n=n, error=f"{type(e).__name__}: {e}"[:300], system="ipyparallel")
+    emit("load_average_1m_at_end", os.getloadavg()[0], "")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""KubernetesJob through the official client against a FAKE API server (tests/fake_k8s.py:
+no real one installs here) whose kubelet runs each pod's command as a local process in its
+own network namespace. What the job creates is validated against the client's models."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+
+import cloudpickle
+import pytest
+
+pytest.importorskip("kubernetes", reason="the kubernetes client is an extra: pip install 'monarch-kernel[kubernetes]'")
+from fake_k8s import FakeKubernetes  # noqa: E402
+from kubernetes import client  # noqa: E402
+
+from monarch_kernel.actor import Actor, endpoint  # noqa: E402
+from monarch_kernel.job import ImageSpec, JobError, JobGoneError, KubernetesJob  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def k8s():
+    with FakeKubernetes(use_netns=os.geteuid() == 0 and bool(__import__("shutil").which("ip"))) as fake:
+        yield fake
+
+
+class Host(Actor):
+    def __init__(self):
+        self.calls = 0
+
+    @endpoint
+    def where(self) -> tuple:
+        import socket
+
+        self.calls += 1
+        return socket.gethostname(), self.calls
+
+
+def _model(obj: dict, kind: str):
+    """Deserialize as the client would: a missing required field or a wrong type raises."""
+    return client.ApiClient().deserialize(json.dumps(obj), kind, "application/json")
+
+
+def test_fake_cluster_pods_run_the_agents_with_the_key_only_in_a_secret_and_reattach(k8s):
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig).add_mesh("workers", 2, image_spec=ImageSpec("fake/monarch:1"))
+    lines = []
+    try:
+        state = job.state(progress=lines.append)
+        assert any("pods: Running 2; agents up 2/2" in line for line in lines), lines
+        assert k8s.watches > 0   # pending pods were watched, not polled
+        hosts = state.workers.spawn_procs(per_host={"gpus": 1}).spawn("hosts", Host)
+        names = hosts.where.call().get(timeout=60).values()
+        pods = [p for p in k8s.created if p.get("kind") == "Pod"]
+        assert [n for n, _ in names] == [p["metadata"]["name"] for p in pods]
+        key = job._key.hex()
+        for pod in pods:
+            model = _model(pod, "V1Pod")
+            assert model.metadata.labels["app.kubernetes.io/name"] == "monarch-worker"
+            assert model.metadata.labels["monarch.pytorch.org/mesh-name"] == "workers"
+            c = model.spec.containers[0]
+            assert c.command[:3] == ["python", "-m", "workers.agent"]   # the image's python
+            env = {e.name: e for e in c.env}
+            assert env["MONARCH_KERNEL_KEY"].value_from.secret_key_ref.key == "key"
+            assert key not in json.dumps(pod)
+        secret = _model(next(o for o in k8s.created if o.get("kind") == "Secret"), "V1Secret")
+        assert base64.b64decode(secret.data["key"]).decode() == key
+        job.disconnect()
+        again = KubernetesJob(kubeconfig=k8s.kubeconfig).add_mesh("workers", 2,
+                                                                 image_spec=ImageSpec("fake/monarch:1"))
+        actors = again.state().workers.proc_mesh("procs").actor_mesh("hosts")
+        assert [c for _, c in actors.where.call().get(timeout=20).values()] == [2, 2]
+        again.disconnect()
+        k8s.delete_pod("default", pods[1]["metadata"]["name"])
+        with pytest.raises(JobGoneError, match=f"pod {pods[1]['metadata']['name']} was deleted"):
+            job.state()
+    finally:
+        job.kill()
+    assert not k8s.pods and not k8s.secrets
+
+
+@pytest.mark.parametrize("image, reason, log", [("fake/python-only:1", "CrashLoopBackOff", "No module named"),
+                                               ("registry.invalid/nope:1", "Image", "")])
+def test_fake_cluster_a_pod_that_cannot_start_is_named_with_its_last_log_lines(k8s, image, reason, log):
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name=f"bad-{reason.lower()}").add_mesh(
+        "w", 1, image_spec=ImageSpec(image))
+    with pytest.raises(JobError, match=rf"pod mk-bad-{reason.lower()}-\w+-w-0 cannot start: \w*{reason}") as e:
+        job.state()
+    assert log in str(e.value) and "last log lines" in str(e.value)
+    assert not k8s.pods and not k8s.secrets   # nothing left behind
+
+
+def test_fake_cluster_attach_only_finds_running_pods_by_monarch_labels_in_pod_index_order(k8s):
+    api = KubernetesJob(kubeconfig=k8s.kubeconfig)._api()
+    key = os.urandom(32).hex()
+    api.create_namespaced_secret("default", client.V1Secret(
+        metadata=client.V1ObjectMeta(name="monarch-worker-key"), data={"key": base64.b64encode(key.encode()).decode()}))
+    for index in (1, 0):   # created out of order: rank comes from the pod-index label
+        # pod 1's agent binds every interface and must still advertise an address we can reach
+        bind = ["--bind", "0.0.0.0"] if index else ["--bind", "$(POD_IP)"]
+        api.create_namespaced_pod("default", client.V1Pod(
+            metadata=client.V1ObjectMeta(name=f"trainer-{index}", labels={
+                "app.kubernetes.io/name": "monarch-worker", "monarch.pytorch.org/mesh-name": "trainer",
+                "apps.kubernetes.io/pod-index": str(index)}),
+            spec=client.V1PodSpec(containers=[client.V1Container(
+                name="worker", image="fake/monarch:1",
+                command=["python", "-m", "workers.agent", *bind, "--port", "26600", "--persistent"],
+                env=[*([] if index else [client.V1EnvVar(name="POD_IP", value_from=client.V1EnvVarSource(
+                         field_ref=client.V1ObjectFieldSelector(field_path="status.podIP")))]),
+                     client.V1EnvVar(name="MONARCH_KERNEL_KEY", value_from=client.V1EnvVarSource(
+                         secret_key_ref=client.V1SecretKeySelector(name="monarch-worker-key", key="key")))])])))
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig).add_mesh(
+        "trainer", 2, label_selector="monarch.pytorch.org/mesh-name=trainer")
+    try:
+        hosts = job.state().trainer.spawn_procs(per_host={"gpus": 1}).spawn("hosts", Host)
+        assert [n for n, _ in hosts.where.call().get(timeout=60).values()] == ["trainer-0", "trainer-1"]
+    finally:
+        job.kill()
+        assert set(k8s.pods) == {("default", "trainer-0"), ("default", "trainer-1")}   # not ours to delete
+        for index in (0, 1):
+            api.delete_namespaced_pod(f"trainer-{index}", "default")
+        api.delete_namespaced_secret("monarch-worker-key", "default")

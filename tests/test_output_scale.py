@@ -1,0 +1,125 @@
+"""Output of %%on_mesh on many ranks: merged lines, --group-outputs, filters, progress, floods.
+
+A real kernel (jupyter_client) and a real 8-proc mesh (progress shows from 8 ranks up).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+from kernel_harness import KernelHarness
+
+MESH = "kt-output-scale"
+N = 8
+
+
+@pytest.fixture(scope="module")
+def k():
+    h = KernelHarness()
+    try:
+        h.ok(f"%mesh connect {MESH} --procs {N}", timeout=180)
+        yield h
+    finally:
+        h.close(stop_meshes=(MESH,))
+
+
+def summaries(r) -> list[str]:
+    return [m["content"]["data"]["text/plain"] for m in r.outputs
+            if m["msg_type"] in ("display_data", "update_display_data")
+            and m["content"]["data"].get("text/plain", "").startswith("[on_mesh]")]
+
+
+def test_identical_lines_from_every_rank_are_shown_once_with_their_ranks(k):
+    r = k.ok("%%on_mesh\nprint('epoch 1 loss 0.12')\nprint('mine', rank)\nprint('epoch 2 loss 0.10')")
+    assert r.stdout.count("epoch 1 loss 0.12") == 1
+    assert f"[ranks 0-{N - 1}] epoch 1 loss 0.12\n" in r.stdout
+    assert f"[ranks 0-{N - 1}] epoch 2 loss 0.10\n" in r.stdout
+    assert all(f"[rank {i}] mine {i}\n" in r.stdout for i in range(N))
+
+
+def test_identical_warnings_are_merged_too(k):
+    r = k.ok("%%on_mesh\nimport warnings\nwarnings.warn('lr looks too high for scale test')")
+    assert r.stderr.count("UserWarning: lr looks too high for scale test") == 1
+    assert re.search(rf"\[ranks 0-{N - 1}\] .*UserWarning: lr looks too high", r.stderr)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("merged", "[ranks 0-1] a\n[ranks 0-1] b\n"),
+    ("rank", "[rank 0] a\n[rank 0] b\n[rank 1] a\n[rank 1] b\n"),
+    ("order", "[rank 0] a\n[rank 1] a\n[rank 0] b\n[rank 1] b\n"),
+])
+def test_group_outputs_modes(k, mode, expected):
+    r = k.ok(f"%%on_mesh --ranks 0,1 --group-outputs {mode}\nimport time\ntime.sleep(0.05 * (1 - rank))\n"
+             "print('a')\nprint('b')")
+    assert r.stdout == expected
+
+
+def test_live_output_is_merged_within_a_short_window(k):
+    r = k.ok("%%on_mesh --stream\nimport time\nt = time.time()\ntime.sleep(0.6 - t % 0.5)\n"
+             "print('in step', flush=True)\ntime.sleep(0.3)")
+    lines = [ln for ln in r.stdout.splitlines() if ln.endswith("in step")]
+    assert 1 <= len(lines) <= 2, r.stdout   # 8 ranks print within ms of each other
+    assert lines[0].startswith("[ranks ")
+
+
+def test_show_ranks_and_quiet_ranks_filter_output_and_say_where_the_rest_is(k):
+    r = k.ok("%%on_mesh --show-ranks 0\nprint('filtered', rank)")
+    assert r.stdout == "[rank 0] filtered 0\n"
+    assert f"output of ranks 1-{N - 1} not shown (--show-ranks 0)" in r.stderr
+    assert "%mesh logs --ranks 1" in r.stderr
+    r = k.ok(f"%%on_mesh --quiet-ranks 1:{N}\nprint('quiet', rank)")
+    assert r.stdout == "[rank 0] quiet 0\n"
+    logs = k.ok("%mesh logs --ranks 3 --grep quiet").stdout
+    assert "[rank 3] quiet 3" in logs
+
+
+def test_bad_output_flags_name_the_problem(k):
+    r = k.run("%%on_mesh --group-outputs type\n1")
+    assert r.status == "error" and "invalid choice: 'type'" in r.stderr + r.error.get("evalue", "")
+    r = k.run("%%on_mesh --show-ranks 99\n1")
+    text = r.stderr + r.error.get("evalue", "")
+    assert r.status == "error" and "rank 99 is outside the mesh" in text, text
+    assert k.ok("%%on_mesh\nrank").result   # the mesh stays usable
+
+
+def test_a_cell_on_many_ranks_shows_progress_then_a_one_line_summary(k):
+    r = k.ok("%%on_mesh\nimport time\ntime.sleep(0.2 if rank else 2.5)")
+    shown = summaries(r)
+    assert any(re.match(rf"\[on_mesh\] \d/{N} ranks done, \d running, 0 failed, [\d.]+ s", s) for s in shown), shown
+    assert re.match(rf"\[on_mesh\] {N} ranks: {N} ok, 0 failed, [\d.]+ s", shown[-1])
+    updates = [m for m in r.outputs if m["msg_type"] == "update_display_data"]
+    first = next(m for m in r.outputs if m["msg_type"] == "display_data")
+    assert updates and updates[-1]["content"]["transient"]["display_id"] == first["content"]["transient"]["display_id"]
+    r = k.run("%%on_mesh\n1 / (rank - 3)")
+    assert summaries(r) and re.match(rf"\[on_mesh\] {N} ranks: {N - 1} ok, 1 failed", summaries(r)[-1])
+
+
+def test_a_flood_of_output_is_rate_limited_and_spilled_to_the_logs(k):
+    """8 ranks x 10,000 lines: the notebook gets a bounded number of lines and messages,
+    the kernel's memory stays bounded, and the cell says how many lines are in the logs."""
+    peak = "__import__('resource').getrusage(__import__('resource').RUSAGE_SELF).ru_maxrss"
+    before = k.value(peak)
+    r = k.ok("%%on_mesh\nfor i in range(10_000):\n    print(f'flood {rank} line {i}')", timeout=180)
+    after = k.value(peak)
+    shown = r.stdout.count("\n")
+    # at most a burst of 1000 and 200 lines/s while it ran; without a bound: 80,000
+    assert shown <= 1000 + 200 * (r.kernel_seconds + 1) and shown < N * 10_000 / 4, (shown, r.kernel_seconds)
+    streams = [m for m in r.outputs if m["msg_type"] == "stream"]
+    assert len(streams) <= 600
+    m = re.search(r"([\d,]+) lines from ranks 0-7 not shown here", r.stderr)
+    assert m and int(m.group(1).replace(",", "")) + shown >= N * 10_000 - 10, r.stderr
+    assert "%mesh logs --ranks 0" in r.stderr
+    assert (after - before) / 1024 < 200, (before, after)   # ru_maxrss is in KiB
+    logs = k.ok("%mesh logs --ranks 5 --grep 'line 9999$'").stdout
+    assert "[rank 5] flood 5 line 9999" in logs
+
+
+def test_rich_displays_held_then_live_still_become_one_grid(k):
+    """A cell that outlives the hold writes what it held: figures/HTML of several ranks go
+    to the grid, not one display each (the text path must not swallow them)."""
+    r = k.ok("%%on_mesh --ranks 0,1\nfrom IPython.display import HTML, display\nimport time\n"
+             "print('x')\ndisplay(HTML(f'<i>h{rank}</i>'))\ntime.sleep(1.6)")
+    grids = [d for d in r.data("display_data") + r.data("update_display_data")
+             if "ranks" in d["metadata"].get("monarch_kernel", {})]
+    assert grids and "<i>h0</i>" in grids[-1]["data"]["text/html"] and "<i>h1</i>" in grids[-1]["data"]["text/html"]
+    assert r.stdout == "[ranks 0-1] x\n"

@@ -469,7 +469,7 @@ class ProcWorker:
         _, owner, failure, child = msg
         slot = self.actors.get(owner)
         if slot is None or not hasattr(slot.obj, "__supervise__"):
-            self._unhandled(slot, failure)
+            self._unhandled(slot, failure, owner)
             return
         token = _CTX.set(slot.ctx)
         try:
@@ -487,14 +487,20 @@ class ProcWorker:
                     traceback.print_exc()
                     handled = False
                 if not handled:
-                    self._unhandled(slot, failure)
+                    self._unhandled(slot, failure, owner)
 
             asyncio.run_coroutine_threadsafe(_awaited(res, slot.ctx), self._event_loop()).add_done_callback(done)
             return
         if not res:
-            self._unhandled(slot, failure)
+            self._unhandled(slot, failure, owner)
 
-    def _unhandled(self, slot, failure) -> None:
+    def _unhandled(self, slot, failure, aid) -> None:
+        """A failure the supervising actor ``aid`` did not handle goes up to its own owner
+        (Monarch's supervision tree); from the top, to the controller's unhandled_fault_hook."""
+        if slot is not None and slot.owner is not None:
+            addr, key, owner_aid = slot.owner
+            self.rt.send(addr, key, ("supervise", owner_aid, failure, aid))
+            return
         if self.sink is not None:
             err = SupervisionError(failure, f"unhandled by {slot.name if slot else 'its owner'} "
                                             "(no __supervise__, or it returned a falsy value)")

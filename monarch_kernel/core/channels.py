@@ -15,7 +15,6 @@ import itertools
 import threading
 from typing import Any, Callable, Generic, TypeVar
 
-from . import wire
 from .future import Future
 from .runtime import runtime
 
@@ -185,10 +184,3 @@ class Accumulator(Generic[R, A]):
 
         return chained(self._endpoint.call(*args, **kwargs), fold, f"accumulate {self._endpoint._name}")
 
-
-def picklable(obj) -> bool:
-    try:
-        wire.dumps(obj)
-        return True
-    except Exception:
-        return False

@@ -56,9 +56,10 @@ class Endpoint(Generic[T]):
         if init is not None and not init.done() and threading.get_ident() != am.spawn_thread:
             _wait_initialized(am)   # another thread's sends are not ordered after the spawn
         am.used = True
-        if am.init_error is not None:
-            _consume_unhandled(rt, am.init_error)
-            raise am.init_error
+        err = am.init_error
+        if err is not None and (am.failed_ranks is None or not am.failed_ranks.isdisjoint(ranks)):
+            _consume_unhandled(rt, err)
+            raise err
         refs = ps.check(ranks)
         keys = [r.key for r in refs]
         what = f"{am.name}.{self._name}"

@@ -388,7 +388,8 @@ class ProcWorker:
         fatal = _fails_the_actor(exc, call_id, interrupted)
         if not (ok and explicit):
             if call_id or not fatal:
-                self._reply(reply_to, call_id, ok, value)
+                slot = self.actors.get(aid)
+                self._reply(reply_to, call_id, ok, value, slot.ctx.actor_instance.rank.rank if slot else None)
         else:
             self.flush_output()
         if fatal:
@@ -507,11 +508,11 @@ class ProcWorker:
             self.rt.send(self.sink[0], self.sink[1], ("unhandled", err))
 
     # ---------------------------------------------------------------- replies and errors
-    def _reply(self, reply_to, call_id, ok, value):
+    def _reply(self, reply_to, call_id, ok, value, rank=None):
         self.flush_output()
         if isinstance(call_id, Port):   # send(endpoint, ..., port=p): the result goes to the port
             try:
-                call_id._post(ok, value)
+                call_id._post(ok, value, rank)
             except Exception:
                 traceback.print_exc()
             return

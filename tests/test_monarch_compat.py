@@ -314,6 +314,11 @@ def test_channel_ports_send_and_explicit_response_ports(procs):
     w = procs.spawn("w", Worker)
     send(w.bump, (), {}, port=port)          # results go to the port, nobody waits on a call
     assert sorted([recv.recv().get(30), recv.recv().get(30)]) == [1, 1]
+    ranked_port, ranked = Channel.open_ranked()
+    send(w.bump, (), {}, port=ranked_port)   # (sender's rank, value)
+    assert sorted([ranked.recv().get(30), ranked.recv().get(30)]) == [(0, 2), (1, 2)]
+    send(w.bump, (), {}, port=ranked_port, selection="choose")   # one member only
+    assert ranked.recv().get(30)[1] == 3
     assert w.slice(gpus=0).later.call_one(21).get(30) == 42         # answered later, from a thread
     assert w.later.call(5).get(30).values() == [10, 10]
     other = w.slice(gpus=1)

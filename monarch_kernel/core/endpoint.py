@@ -97,13 +97,7 @@ class Endpoint(Generic[T]):
 
     def choose(self, *args, **kwargs) -> Future[T]:
         """One member, the least busy (fewest calls of ours in flight)."""
-        rt = runtime()
-        ps = self._mesh._state.proc_state
-        live = [r for r in self._mesh._view.ranks if ps.procs[r].key not in rt.dead]
-        if not live:
-            ps.check(self._mesh._view.ranks)
-        out = rt.outstanding
-        best = min(live, key=lambda r: out.get(ps.procs[r].key, 0))
+        best = self._mesh._least_busy()._view.ranks[0]
         return self._send([best], Extent((), ()), "one", args, kwargs).future
 
     def stream(self, *args, **kwargs) -> Stream[T]:

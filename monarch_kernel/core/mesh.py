@@ -464,6 +464,17 @@ class ActorMesh(_Sliceable, Generic[T]):
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._state.endpoints))
 
+    def _least_busy(self) -> ActorMesh:
+        """The one-member view of the live member with the fewest calls of ours in flight."""
+        rt = runtime()
+        ps = self._state.proc_state
+        live = [r for r in self._view.ranks if ps.procs[r].key not in rt.dead]
+        if not live:
+            ps.check(self._view.ranks)
+        out = rt.outstanding
+        best = min(live, key=lambda r: out.get(ps.procs[r].key, 0))
+        return ActorMesh(self._state, MeshView((), (), (best,)))
+
     @property
     def initialized(self) -> Future[None]:
         """Done once every member's ``__init__`` ran (fails with the SupervisionError of an

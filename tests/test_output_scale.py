@@ -112,3 +112,14 @@ def test_a_flood_of_output_is_rate_limited_and_spilled_to_the_logs(k):
     assert (after - before) / 1024 < 200, (before, after)   # ru_maxrss is in KiB
     logs = k.ok("%mesh logs --ranks 5 --grep 'line 9999$'").stdout
     assert "[rank 5] flood 5 line 9999" in logs
+
+
+def test_rich_displays_held_then_live_still_become_one_grid(k):
+    """A cell that outlives the hold writes what it held: figures/HTML of several ranks go
+    to the grid, not one display each (the text path must not swallow them)."""
+    r = k.ok("%%on_mesh --ranks 0,1\nfrom IPython.display import HTML, display\nimport time\n"
+             "print('x')\ndisplay(HTML(f'<i>h{rank}</i>'))\ntime.sleep(1.6)")
+    grids = [d for d in r.data("display_data") + r.data("update_display_data")
+             if "ranks" in d["metadata"].get("monarch_kernel", {})]
+    assert grids and "<i>h0</i>" in grids[-1]["data"]["text/html"] and "<i>h1</i>" in grids[-1]["data"]["text/html"]
+    assert r.stdout == "[ranks 0-1] x\n"

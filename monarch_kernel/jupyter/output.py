@@ -23,7 +23,7 @@ import threading
 import uuid
 
 from .rank_grid import grid_bundle, is_rich
-from .text_output import OutputOptions, TextLimits, collate, label, merge, split_lines
+from .text_output import SKIPPED, OutputOptions, TextLimits, collate, label, merge, split_lines
 
 HOLD_S = float(os.environ.get("MONARCH_KERNEL_HOLD_S", "1.0"))
 
@@ -89,6 +89,15 @@ class CellCapture:
                 return
         self.router.emit(rank, item, self.parent)
 
+    def kept_back(self, rank: int, n: int) -> None:
+        """``n`` lines rank ``rank`` did not send (workers/output_limit.py): counted, and
+        said so when the cell ends."""
+        with self.lock:
+            if self.options.wants(rank):
+                self.limits.dropped[rank] += n
+            else:
+                self.limits.hidden[rank] += n
+
     def _add_text(self, rank: int, stream: str, text: str) -> None:
         """Under the lock: hold, merge in the window, or write (within the budget)."""
         lim = self.limits
@@ -119,7 +128,7 @@ class CellCapture:
                 return
             self.live = True
             held, self.held = self.held, []
-            self._write_held(held, self.parent, collated=False)
+            self._write_held(held, self.parent, collated=False, display=self._show_live)
 
     def finish(self) -> None:
         """The cell is done: write what was held, grouped as asked (``rank``: each rank's
@@ -146,13 +155,22 @@ class CellCapture:
             self.progress.finish()
         self.router.flush()
 
-    def _write_held(self, held: list[tuple[int, tuple]], parent, collated: bool) -> None:
+    def _show_live(self, rank: int, item: tuple, parent) -> None:
+        if item[0] == "display" and is_rich(item[1]):
+            self._grow_grid(rank, item[1], parent)
+        else:
+            self.router.emit(rank, item, parent)
+
+    def _write_held(self, held: list[tuple[int, tuple]], parent, collated: bool, display=None) -> None:
+        """Held text as ``--group-outputs`` says; displays through ``display(rank, item,
+        parent)`` (default: written as they are)."""
+        display = display or self.router.emit
         if self.options.mode == "merged":
             lines = [(r, it[1], t) for r, it in held if it[0] == "stream" for t in split_lines(it[2])]
             self._write(self.limits.writable(merge(lines)), parent)
             for rank, item in held:
                 if item[0] != "stream":
-                    self.router.emit(rank, item, parent)
+                    display(rank, item, parent)
             return
         items = [(r, ("line", it[1], t)) if it[0] == "stream" else (r, it)
                  for r, it in held for t in (split_lines(it[2]) if it[0] == "stream" else [None])]
@@ -165,7 +183,7 @@ class CellCapture:
                 continue
             self._write(self.limits.writable(pending), parent)
             pending = []
-            self.router.emit(rank, item, parent)
+            display(rank, item, parent)
         self._write(self.limits.writable(pending), parent)
 
     def _write(self, groups: list[tuple[str, str, list[int]]], parent) -> None:
@@ -208,6 +226,12 @@ class OutputRouter:
 
     # ---------------------------------------------------------------- I/O thread
     def on_output(self, rank: int, stream: str, text: str) -> None:
+        if stream == SKIPPED:   # lines the proc kept back (its rate limit): counted, in its log
+            cap = self.active
+            if cap is not None and rank in cap.ranks:
+                cap.kept_back(rank, int(text.split(" ", 1)[0]))
+                return
+            stream = "stderr"
         self._route(rank, ("stream", stream, text))
 
     def on_display(self, msg) -> None:

@@ -44,6 +44,8 @@ def page(tmp_path_factory):
         try:
             pg = ctx.pages[0] if ctx.pages else ctx.new_page()
             pg.notebook = notebook
+            pg.console_errors = []
+            pg.on("console", lambda m: m.type == "error" and pg.console_errors.append(m.text))
             pg.goto(url)
             pg.wait_for_function(READY, timeout=90_000, polling=250)
             # Not awaited: the command's promise resolves only once every cell ran.
@@ -76,7 +78,7 @@ def test_figures_from_ranks_appear_under_the_cell_side_by_side(page):
 
 def test_figures_of_many_ranks_are_tabs_and_a_tab_switches(page):
     out = cell(page, 2).locator(".jp-OutputArea")
-    out.locator(".monarch-rank-tabs img").nth(4).wait_for(state="attached", timeout=60_000)
+    out.locator(".monarch-rank-tabs img").nth(4).wait_for(state="attached", timeout=120_000)
     assert out.locator("img").count() == 5   # display(fig); plt.close(fig) on 5 ranks
     visible = out.locator(".monarch-rank-tab:visible")
     assert visible.count() == 1 and visible.get_attribute("data-rank") == "0"
@@ -107,6 +109,8 @@ def test_debugger_widget_enter_rank_switch_and_busy_indicator(page):
     assert set(states) == {"busy"}, states
     page.locator(".monarch-debugger").scroll_into_view_if_needed()
     shot(page, "3-debugger")
+    setting_state = [e for e in page.console_errors if "Error setting state" in e]
+    assert not setting_state, setting_state   # was: "Cannot set properties of undefined (setting 'selected')"
     page.get_by_role("button", name="continue all", exact=True).click()
     page.get_by_text("finished 1 11").first.wait_for(timeout=30_000)
     page.get_by_text(f"mesh '{MESH}' stopped").first.wait_for(timeout=60_000)

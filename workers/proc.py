@@ -31,6 +31,7 @@ from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
 from monarch_kernel.telemetry.worker import ProcTelemetry
+from workers.output_limit import SKIPPED, OutputLimit, skipped_text
 
 
 class ActorSlot:
@@ -121,6 +122,7 @@ class ProcWorker:
         self.stdout = ForwardingStream(self, "stdout")
         self.stderr = ForwardingStream(self, "stderr")
         self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
+        self.output_limit = OutputLimit()   # past it, output goes to the log file only
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
@@ -131,14 +133,26 @@ class ProcWorker:
             (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
+        if not self.output_limit.admit(text.count("\n") or 1):
+            return   # in the log file only; the count goes with the next line or reply
+        self._send_skipped(sink)
         try:
             self.rt.send(sink[0], sink[1], ("out", self.rank, stream, text))
         except zmq.ZMQError:
             pass
 
+    def _send_skipped(self, sink) -> None:
+        n = self.output_limit.take_skipped()
+        if n and sink is not None:
+            try:
+                self.rt.send(sink[0], sink[1], ("out", self.rank, SKIPPED, skipped_text(self.rank, n)))
+            except zmq.ZMQError:
+                pass
+
     def flush_output(self):
         self.stdout.flush()
         self.stderr.flush()
+        self._send_skipped(self.sink)
 
     # ---------------------------------------------------------------- I/O-thread notices
     def _on_sink(self, link, addr, key):

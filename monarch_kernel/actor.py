@@ -78,9 +78,8 @@ def send(endpoint: Endpoint, args: tuple = (), kwargs: dict | None = None, port:
     if selection not in ("all", "choose"):
         raise ValueError(f"send(selection=...) is 'all' or 'choose', got {selection!r}")
     kwargs = kwargs or {}
-    if selection == "choose":
-        mesh = endpoint._mesh
-        endpoint = Endpoint(mesh.slice(**{d: 0 for d in mesh._view.labels}), endpoint._name, endpoint._explicit)
+    if selection == "choose":   # one member, the least busy (as Endpoint.choose picks)
+        endpoint = Endpoint(endpoint._mesh._least_busy(), endpoint._name, endpoint._explicit)
     if port is None:
         endpoint.broadcast(*args, **kwargs)
     else:

@@ -387,6 +387,27 @@ def test_worker_output_reaches_the_controller_by_rank_in_order(counters):
         assert all(c.endswith("\n") for c in chunks[:-1])
 
 
+def test_a_flood_of_output_is_limited_at_the_proc_and_the_rest_is_counted(counters):
+    """Past its burst a proc stops sending lines (they stay in its log file) and says how
+    many it kept back, so a flood cannot bury the controller's inbox (workers/output_limit.py)."""
+    rt = runtime()
+    got: list = []
+    orig = rt.output
+    rt.output = lambda rank, stream, text: got.append((rank, stream, text))
+    t0 = time.monotonic()
+    try:
+        assert counters.talk.call(3000).get(60).values() == ["done", "done"]
+    finally:
+        rt.output = orig
+    took = time.monotonic() - t0
+    for r in (0, 1):
+        sent = sum(t.count("\n") or 1 for rank, s, t in got if rank == r and s in ("stdout", "stderr"))
+        kept = [t for rank, s, t in got if rank == r and s == "skipped"]
+        assert sent <= 500 + 50 * took + 50, (sent, took)
+        assert kept and "lines kept only in rank" in kept[-1] and "%mesh logs --ranks" in kept[-1]
+        assert sent + sum(int(t.split()[0]) for t in kept) == 3000 + 2   # + the stderr line and the last chunk
+
+
 # ---------------------------------------------------------------- a __main__ controller script
 def test_main_module_classes_run_on_workers_with_real_tracebacks_and_prefixed_output():
     import json

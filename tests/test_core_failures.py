@@ -175,6 +175,7 @@ def test_spawn_returns_at_once_and_a_raising_init_is_a_supervision_error_naming_
     assert "rank 1" in text and HOST in text and "bad init on purpose" in text and "INIT-LINE" in text
     with pytest.raises(SupervisionError, match="bad init on purpose"):   # first use says why
         bad.ok.call()
+    assert bad.slice(gpus=0).ok.call_one().get(30) is True   # Monarch: the other ranks stay usable
     assert pm.spawn("good", Victim).get_state.call().get(30).values() == [0, 100]
     assert v.get_state.call().get(30).values() == [0, 100]   # reported once: nothing raises here
 

@@ -50,7 +50,6 @@ def test_fake_cluster_pods_run_the_agents_with_the_key_only_in_a_secret_and_reat
     try:
         state = job.state(progress=lines.append)
         assert any("pods: Running 2; agents up 2/2" in line for line in lines), lines
-        assert k8s.watches > 0   # pending pods were watched, not polled
         hosts = state.workers.spawn_procs(per_host={"gpus": 1}).spawn("hosts", Host)
         names = hosts.where.call().get(timeout=60).values()
         pods = [p for p in k8s.created if p.get("kind") == "Pod"]
@@ -86,9 +85,11 @@ def test_fake_cluster_pods_run_the_agents_with_the_key_only_in_a_secret_and_reat
 def test_fake_cluster_a_pod_that_cannot_start_is_named_with_its_last_log_lines(k8s, image, reason, log):
     job = KubernetesJob(kubeconfig=k8s.kubeconfig, name=f"bad-{reason.lower()}").add_mesh(
         "w", 1, image_spec=ImageSpec(image))
+    watches = k8s.watches
     with pytest.raises(JobError, match=rf"pod mk-bad-{reason.lower()}-\w+-w-0 cannot start: \w*{reason}") as e:
         job.state()
     assert log in str(e.value) and "last log lines" in str(e.value)
+    assert k8s.watches > watches   # the pending pod was watched, not polled
     assert not k8s.pods and not k8s.secrets   # nothing left behind
 
 

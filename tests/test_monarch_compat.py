@@ -154,6 +154,30 @@ class Parent(Actor):
         return list(self.seen)
 
 
+class Grand(Actor):
+    """Owns a Parent that declines its child's failure: it reaches here, one level up."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __supervise__(self, failure: MeshFailure) -> bool:
+        self.seen.append(str(failure))
+        return True
+
+    @endpoint
+    def start(self, parent_procs, procs) -> list:
+        self.parent = parent_procs.spawn("parent", Parent, False)
+        return self.parent.start.call_one(procs).get(30)
+
+    @endpoint
+    def kill_grandchild(self) -> str:
+        return self.parent.kill_child.call_one().get(30)
+
+    @endpoint
+    def seen_failures(self) -> list:
+        return list(self.seen)
+
+
 class Streamer(Actor):
     def __init__(self, log_dir: str = ""):
         self.log_dir = log_dir
@@ -224,6 +248,19 @@ def _nonempty(x):
     return x
 
 
+def test_a_declined_failure_goes_up_the_supervision_tree(procs):
+    up = this_host().spawn_procs(per_host={"gpus": 1}, name="tree")
+    try:
+        grand = up.spawn("grand", Grand)
+        assert grand.start.call_one(up, procs).get(60) == [0, 1]
+        assert grand.kill_grandchild.call_one().get(30) == "SystemExit"
+        seen = _eventually(lambda: _nonempty(grand.seen_failures.call_one().get(30)))
+        assert len(seen) == 1 and "SystemExit" in seen[0] and "child" in seen[0]
+        runtime().raise_unhandled()   # handled by the grandparent: nothing reaches the controller
+    finally:
+        up.stop()
+
+
 def test_a_broadcast_raise_fails_the_actor_and_goes_to_a_replaced_unhandled_fault_hook(procs, tmp_path):
     seen: list = []
     monarch_actor.unhandled_fault_hook = seen.append
@@ -277,6 +314,11 @@ def test_channel_ports_send_and_explicit_response_ports(procs):
     w = procs.spawn("w", Worker)
     send(w.bump, (), {}, port=port)          # results go to the port, nobody waits on a call
     assert sorted([recv.recv().get(30), recv.recv().get(30)]) == [1, 1]
+    ranked_port, ranked = Channel.open_ranked()
+    send(w.bump, (), {}, port=ranked_port)   # (sender's rank, value)
+    assert sorted([ranked.recv().get(30), ranked.recv().get(30)]) == [(0, 2), (1, 2)]
+    send(w.bump, (), {}, port=ranked_port, selection="choose")   # one member only
+    assert ranked.recv().get(30)[1] == 3
     assert w.slice(gpus=0).later.call_one(21).get(30) == 42         # answered later, from a thread
     assert w.later.call(5).get(30).values() == [10, 10]
     other = w.slice(gpus=1)

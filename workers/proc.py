@@ -31,6 +31,7 @@ from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
 from monarch_kernel.telemetry.worker import ProcTelemetry
+from workers.output_limit import SKIPPED, OutputLimit, skipped_text
 
 
 class ActorSlot:
@@ -121,6 +122,7 @@ class ProcWorker:
         self.stdout = ForwardingStream(self, "stdout")
         self.stderr = ForwardingStream(self, "stderr")
         self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
+        self.output_limit = OutputLimit()   # past it, output goes to the log file only
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
@@ -131,14 +133,26 @@ class ProcWorker:
             (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
+        if not self.output_limit.admit(text.count("\n") or 1):
+            return   # in the log file only; the count goes with the next line or reply
+        self._send_skipped(sink)
         try:
             self.rt.send(sink[0], sink[1], ("out", self.rank, stream, text))
         except zmq.ZMQError:
             pass
 
+    def _send_skipped(self, sink) -> None:
+        n = self.output_limit.take_skipped()
+        if n and sink is not None:
+            try:
+                self.rt.send(sink[0], sink[1], ("out", self.rank, SKIPPED, skipped_text(self.rank, n)))
+            except zmq.ZMQError:
+                pass
+
     def flush_output(self):
         self.stdout.flush()
         self.stderr.flush()
+        self._send_skipped(self.sink)
 
     # ---------------------------------------------------------------- I/O-thread notices
     def _on_sink(self, link, addr, key):
@@ -374,7 +388,8 @@ class ProcWorker:
         fatal = _fails_the_actor(exc, call_id, interrupted)
         if not (ok and explicit):
             if call_id or not fatal:
-                self._reply(reply_to, call_id, ok, value)
+                slot = self.actors.get(aid)
+                self._reply(reply_to, call_id, ok, value, slot.ctx.actor_instance.rank.rank if slot else None)
         else:
             self.flush_output()
         if fatal:
@@ -455,7 +470,7 @@ class ProcWorker:
         _, owner, failure, child = msg
         slot = self.actors.get(owner)
         if slot is None or not hasattr(slot.obj, "__supervise__"):
-            self._unhandled(slot, failure)
+            self._unhandled(slot, failure, owner)
             return
         token = _CTX.set(slot.ctx)
         try:
@@ -473,25 +488,31 @@ class ProcWorker:
                     traceback.print_exc()
                     handled = False
                 if not handled:
-                    self._unhandled(slot, failure)
+                    self._unhandled(slot, failure, owner)
 
             asyncio.run_coroutine_threadsafe(_awaited(res, slot.ctx), self._event_loop()).add_done_callback(done)
             return
         if not res:
-            self._unhandled(slot, failure)
+            self._unhandled(slot, failure, owner)
 
-    def _unhandled(self, slot, failure) -> None:
+    def _unhandled(self, slot, failure, aid) -> None:
+        """A failure the supervising actor ``aid`` did not handle goes up to its own owner
+        (Monarch's supervision tree); from the top, to the controller's unhandled_fault_hook."""
+        if slot is not None and slot.owner is not None:
+            addr, key, owner_aid = slot.owner
+            self.rt.send(addr, key, ("supervise", owner_aid, failure, aid))
+            return
         if self.sink is not None:
             err = SupervisionError(failure, f"unhandled by {slot.name if slot else 'its owner'} "
                                             "(no __supervise__, or it returned a falsy value)")
             self.rt.send(self.sink[0], self.sink[1], ("unhandled", err))
 
     # ---------------------------------------------------------------- replies and errors
-    def _reply(self, reply_to, call_id, ok, value):
+    def _reply(self, reply_to, call_id, ok, value, rank=None):
         self.flush_output()
         if isinstance(call_id, Port):   # send(endpoint, ..., port=p): the result goes to the port
             try:
-                call_id._post(ok, value)
+                call_id._post(ok, value, rank)
             except Exception:
                 traceback.print_exc()
             return

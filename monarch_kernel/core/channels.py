@@ -15,7 +15,6 @@ import itertools
 import threading
 from typing import Any, Callable, Generic, TypeVar
 
-from . import wire
 from .future import Future
 from .runtime import runtime
 
@@ -50,7 +49,7 @@ class Port(Generic[R]):
         """Deliver an error: the receiver's ``recv()`` (or the caller's ``get()``) raises it."""
         self._post(False, obj)
 
-    def _post(self, ok: bool, value) -> None:
+    def _post(self, ok: bool, value, rank=None) -> None:
         rt = runtime()
         target = self._target
         if target[0] == "r":
@@ -60,7 +59,7 @@ class Port(Generic[R]):
             self._used = True
             msg = ("r", target[1], target[2], ok, value)
         else:
-            msg = ("port", target[1], ok, value)
+            msg = ("port", target[1], ok, value, _sender_rank() if rank is None else rank)
         addr = rt.learn_contact(self._contact)
         try:
             frames = rt.pack(self._key, msg, (addr,))
@@ -74,11 +73,21 @@ class Port(Generic[R]):
         return f"<Port ({kind})>"
 
 
-class PortReceiver(Generic[R]):
-    """The receiving end of a channel; ``recv()`` is a Future of the next value."""
+def _sender_rank():
+    """The sending actor's rank in its mesh (None from the controller or outside actors)."""
+    from .context import _CTX
 
-    def __init__(self, port_id: int):
+    ctx = _CTX.get()
+    return ctx.actor_instance.rank.rank if ctx is not None else None
+
+
+class PortReceiver(Generic[R]):
+    """The receiving end of a channel; ``recv()`` is a Future of the next value (of
+    ``(sender's rank, value)`` for a receiver from ``Channel.open_ranked()``)."""
+
+    def __init__(self, port_id: int, ranked: bool = False):
         self._id = port_id
+        self._ranked = ranked
         self._items: collections.deque = collections.deque()
         self._waiting: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -94,7 +103,9 @@ class PortReceiver(Generic[R]):
         (fut.set_result if ok else fut.set_exception)(value)
         return fut
 
-    def _deliver(self, ok: bool, value) -> None:
+    def _deliver(self, ok: bool, value, rank=None) -> None:
+        if ok and self._ranked:
+            value = (rank, value)
         with self._lock:
             if not self._waiting:
                 self._items.append((ok, value))
@@ -118,6 +129,14 @@ class Channel(Generic[R]):
         recv: PortReceiver = PortReceiver(pid)
         _receivers[pid] = recv
         return Port(rt.contact, _port_key(rt), ("ch", pid)), recv
+
+    @staticmethod
+    def open_ranked(once: bool = False) -> tuple[Port[R], PortReceiver]:
+        """As ``open()``, but ``recv()`` gives ``(rank, value)``: the rank of the actor that
+        sent it (None when the controller did)."""
+        port, recv = Channel.open(once)
+        recv._ranked = True
+        return port, recv
 
 
 def reply_port(reply_to, key: bytes, call_id, member_key: str) -> Port:
@@ -147,10 +166,10 @@ def _install(rt) -> None:
 
 
 def _on_port(msg) -> None:
-    _, pid, ok, value = msg
+    _, pid, ok, value = msg[:4]
     recv = _receivers.get(pid)
     if recv is not None:
-        recv._deliver(ok, value)
+        recv._deliver(ok, value, msg[4] if len(msg) > 4 else None)
 
 
 def chained(inner: Future, fn: Callable[[Any], Any], what: str) -> Future:
@@ -185,10 +204,3 @@ class Accumulator(Generic[R, A]):
 
         return chained(self._endpoint.call(*args, **kwargs), fold, f"accumulate {self._endpoint._name}")
 
-
-def picklable(obj) -> bool:
-    try:
-        wire.dumps(obj)
-        return True
-    except Exception:
-        return False

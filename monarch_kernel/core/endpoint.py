@@ -56,9 +56,10 @@ class Endpoint(Generic[T]):
         if init is not None and not init.done() and threading.get_ident() != am.spawn_thread:
             _wait_initialized(am)   # another thread's sends are not ordered after the spawn
         am.used = True
-        if am.init_error is not None:
-            _consume_unhandled(rt, am.init_error)
-            raise am.init_error
+        err = am.init_error
+        if err is not None and (am.failed_ranks is None or not am.failed_ranks.isdisjoint(ranks)):
+            _consume_unhandled(rt, err)
+            raise err
         refs = ps.check(ranks)
         keys = [r.key for r in refs]
         what = f"{am.name}.{self._name}"
@@ -96,13 +97,7 @@ class Endpoint(Generic[T]):
 
     def choose(self, *args, **kwargs) -> Future[T]:
         """One member, the least busy (fewest calls of ours in flight)."""
-        rt = runtime()
-        ps = self._mesh._state.proc_state
-        live = [r for r in self._mesh._view.ranks if ps.procs[r].key not in rt.dead]
-        if not live:
-            ps.check(self._mesh._view.ranks)
-        out = rt.outstanding
-        best = min(live, key=lambda r: out.get(ps.procs[r].key, 0))
+        best = self._mesh._least_busy()._view.ranks[0]
         return self._send([best], Extent((), ()), "one", args, kwargs).future
 
     def stream(self, *args, **kwargs) -> Stream[T]:

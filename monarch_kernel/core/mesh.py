@@ -389,6 +389,7 @@ class ActorMeshState:
         self.initialized: Future | None = None   # the spawn, on the process that spawned it
         self.spawn_thread: int | None = None
         self.init_error: BaseException | None = None
+        self.failed_ranks: set | None = None   # with init_error: the ranks it is about (None: all)
         self.used = False   # a call was sent: an __init__ failure is reported by that call
 
     def __reduce__(self):
@@ -416,12 +417,13 @@ def _on_initialized(am: ActorMeshState, refs, fut: Future) -> None:
     if e is None:
         return
     rt = runtime()
-    if isinstance(e, ActorError):
-        ok = [r for r, v in zip(refs, (e.results.values() if e.results else [])) if v is None]
-        for ref in ok:   # a mesh is spawned whole or not at all
-            rt.send(ref.work, am.proc_state.key, ("stop_actor", am.id))
+    if isinstance(e, ActorError) and e.results is not None:
+        # As in Monarch, the ranks whose __init__ ran stay usable through slices without the others.
+        am.failed_ranks = {r.rank for r, v in zip(refs, e.results.values()) if v is not None}
         failure = MeshFailure(am.name, e.rank, e.host or "", None, f"actor failed to start: {e.message}")
-        err = SupervisionError(failure, f"nothing was spawned.\n\nRemote traceback:\n{e.remote_traceback}")
+        err = SupervisionError(failure, f"the actors of its other ranks run: slice them out to use them "
+                                        f"(failed: {sorted(am.failed_ranks)}).\n\n"
+                                        f"Remote traceback:\n{e.remote_traceback}")
     else:
         err = e
         failure = getattr(e, "failure", None) or MeshFailure(am.name, None, "", None, str(e))
@@ -461,6 +463,17 @@ class ActorMesh(_Sliceable, Generic[T]):
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._state.endpoints))
+
+    def _least_busy(self) -> ActorMesh:
+        """The one-member view of the live member with the fewest calls of ours in flight."""
+        rt = runtime()
+        ps = self._state.proc_state
+        live = [r for r in self._view.ranks if ps.procs[r].key not in rt.dead]
+        if not live:
+            ps.check(self._view.ranks)
+        out = rt.outstanding
+        best = min(live, key=lambda r: out.get(ps.procs[r].key, 0))
+        return ActorMesh(self._state, MeshView((), (), (best,)))
 
     @property
     def initialized(self) -> Future[None]:

@@ -249,7 +249,8 @@ class KubernetesJob(JobTrait):
             waiting = cs.state.waiting if cs.state else None
             term = cs.last_state.terminated if cs.last_state else None
             if waiting is not None and waiting.reason in _FAILING or (cs.restart_count and term is not None):
-                why = waiting.reason if waiting is not None and waiting.reason else "restarted"
+                why = waiting.reason if waiting is not None and waiting.reason in _FAILING else \
+                    "CrashLoopBackOff (its container exited and was restarted)"
                 detail = (waiting.message if waiting is not None else "") or ""
                 if term is not None:
                     detail += f" (last exit code {term.exit_code})"

@@ -23,7 +23,7 @@ import threading
 import uuid
 
 from .rank_grid import grid_bundle, is_rich
-from .text_output import OutputOptions, TextLimits, collate, label, merge, split_lines
+from .text_output import SKIPPED, OutputOptions, TextLimits, collate, label, merge, split_lines
 
 HOLD_S = float(os.environ.get("MONARCH_KERNEL_HOLD_S", "1.0"))
 
@@ -88,6 +88,15 @@ class CellCapture:
                 self._grow_grid(rank, item[1], self.parent)
                 return
         self.router.emit(rank, item, self.parent)
+
+    def kept_back(self, rank: int, n: int) -> None:
+        """``n`` lines rank ``rank`` did not send (workers/output_limit.py): counted, and
+        said so when the cell ends."""
+        with self.lock:
+            if self.options.wants(rank):
+                self.limits.dropped[rank] += n
+            else:
+                self.limits.hidden[rank] += n
 
     def _add_text(self, rank: int, stream: str, text: str) -> None:
         """Under the lock: hold, merge in the window, or write (within the budget)."""
@@ -217,6 +226,12 @@ class OutputRouter:
 
     # ---------------------------------------------------------------- I/O thread
     def on_output(self, rank: int, stream: str, text: str) -> None:
+        if stream == SKIPPED:   # lines the proc kept back (its rate limit): counted, in its log
+            cap = self.active
+            if cap is not None and rank in cap.ranks:
+                cap.kept_back(rank, int(text.split(" ", 1)[0]))
+                return
+            stream = "stderr"
         self._route(rank, ("stream", stream, text))
 
     def on_display(self, msg) -> None:

@@ -136,6 +136,9 @@ class MeshSession:
             from .cells import CellRunner
 
             self.cells = pm.spawn(CELL_ACTOR, CellRunner, pm)
+            # Connected means cells can run: wait for the runner (spawn returns at once), so a
+            # `%mesh stop` right after does not leave its start to fail unobserved.
+            self.cells.initialized.get(120)
         return pm, spawned
 
     def require(self) -> tuple[ProcMesh, ActorMesh]:

@@ -19,7 +19,8 @@ past that are only counted, per rank. Front-end: what is written is a token buck
 ``RATE`` lines a second with bursts of ``BURST``, and at most ``MAX_LINES`` lines a cell
 (a merged line counts once). Lines not written are counted per rank and the cell says
 where they are: every line a proc prints is also in its log on its host
-(telemetry/logs.py), which ``%mesh logs --ranks R`` reads.
+(telemetry/logs.py), which ``%mesh logs --ranks R`` reads. A proc also limits what it
+sends (workers/output_limit.py) and reports the lines it kept back; they are counted here.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from collections.abc import Iterable
 from .display import rank_ranges
 
 MODES = ("merged", "rank", "order")
+SKIPPED = "skipped"   # workers/output_limit.py: a proc's count of lines it kept back
 MODE_ALIASES = {"engine": "rank"}   # ipyparallel's name for grouping by rank
 
 
@@ -185,8 +187,8 @@ class TextLimits:
             ranks = sorted(self.dropped)
             n = sum(self.dropped.values())
             notes.append(f"[monarch_kernel] {n:,} lines from {rank_ranges(ranks)} not shown here (output "
-                         f"limit: {RATE:g} lines/s, {MAX_LINES} a cell); every line is in its rank's log: "
-                         f"`%mesh logs --ranks {ranks[0]} --tail 100`\n")
+                         f"limits: {RATE:g} lines/s and {MAX_LINES} a cell in the notebook, and each proc's "
+                         f"own); every line is in its rank's log: `%mesh logs --ranks {ranks[0]} --tail 100`\n")
         if self.hidden:
             ranks = sorted(self.hidden)
             notes.append(f"[monarch_kernel] output of {rank_ranges(ranks)} not shown ({self.options.specs}); "

@@ -1,0 +1,62 @@
+"""A proc's output rate limit: past it, lines go only to the proc's log on its host.
+
+Every printed line is one message to the controller. 32 ranks printing 10,000 lines each
+queue 320,000 messages in the controller's inbox, ahead of its agents' heartbeats: the
+controller then declares the host lost (measured here: "silent for 3.2 s") and the cell
+fails. So each proc sends at most ``MONARCH_KERNEL_PROC_OUTPUT_RATE`` lines a second
+(default 50) after a burst of ``MONARCH_KERNEL_PROC_OUTPUT_BURST`` (default 500); the
+lines past it are still written to the proc's log file (telemetry/logs.py, read with
+``%mesh logs``), and the proc tells the controller how many it kept back (a ``skipped``
+output, before its next line and before the reply of the call that printed them). The
+notebook shows far fewer lines than this anyway (jupyter/text_output.py). A rate of 0
+turns the limit off. Until issue 11's fan-in batches output per host, this is what keeps a
+flood from starving the controller.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+SKIPPED = "skipped"   # the output "stream" that carries a count of lines kept back
+
+
+def _env(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class OutputLimit:
+    def __init__(self, rate: float | None = None, burst: float | None = None):
+        self.rate = _env("MONARCH_KERNEL_PROC_OUTPUT_RATE", 50.0) if rate is None else rate
+        self.burst = _env("MONARCH_KERNEL_PROC_OUTPUT_BURST", 500.0) if burst is None else burst
+        self.tokens = self.burst
+        self.stamp = time.monotonic()
+        self.skipped = 0
+        self._lock = threading.Lock()
+
+    def admit(self, lines: int) -> bool:
+        """May a message of ``lines`` lines go to the controller? (False: counted as kept back)"""
+        if self.rate <= 0:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            if self.tokens > 0:
+                self.tokens -= lines
+                return True
+            self.skipped += lines
+            return False
+
+    def take_skipped(self) -> int:
+        with self._lock:
+            n, self.skipped = self.skipped, 0
+            return n
+
+
+def skipped_text(rank: int, n: int) -> str:
+    """What a controller without a notebook prints for it (the number comes first)."""
+    return f"{n} lines kept only in rank {rank}'s log (output rate limit): %mesh logs --ranks {rank}\n"

@@ -131,8 +131,8 @@ def test_soak_random_calls_kills_freezes_and_respawns_lose_no_acknowledged_state
         procs = [c for c in agent.children(recursive=True)]
         assert len(procs) == 5, f"agent has {len(procs)} processes under it, expected 4 procs + the zygote"
         fds = me.num_fds()
-        # Known, not yet fixed: each respawn leaves about 2 fds (an eventfd and a socket)
-        # inside libzmq, though no Python-side socket remains (spawn/stop cycles leak none).
+        # Known, not yet explained: a few fds more after many respawns (about one per two
+        # respawns here), though no Python-side socket remains (spawn/stop cycles leak none).
         assert fds - fds0 <= 4 + 2 * counts["respawns"], f"the controller's fds grew from {fds0} to {fds}"
         print(f"\nSOAK {SOAK_S:.0f} s: " + ", ".join(f"{k} {v}" for k, v in counts.items())
               + f"; acknowledged updates kept {sum(len(a) for a in acked.values())}; controller fds {fds0} -> "

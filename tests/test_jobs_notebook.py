@@ -2,6 +2,7 @@
 Slurm cluster (tests/slurm_cluster.py). Skipped with the reason where Slurm cannot run."""
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -18,8 +19,26 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def k(cluster):
-    h = KernelHarness(env={"SLURM_CONF": cluster.conf})
+def k8s():
+    try:
+        import kubernetes  # noqa: F401
+    except ImportError:
+        yield None
+        return
+    import shutil
+
+    from fake_k8s import FakeKubernetes
+
+    with FakeKubernetes(use_netns=os.geteuid() == 0 and bool(shutil.which("ip"))) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def k(cluster, k8s):
+    env = {"SLURM_CONF": cluster.conf}
+    if k8s is not None:
+        env["KUBECONFIG"] = k8s.kubeconfig
+    h = KernelHarness(env=env)
     try:
         yield h
     finally:
@@ -78,6 +97,19 @@ def test_interrupting_a_queued_connect_cancels_the_request(k, cluster):
     while cluster.queue() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert cluster.queue() == []
+
+
+def test_connect_k8s_runs_cells_in_pods_of_the_fake_cluster_and_stop_deletes_them(k, k8s):
+    if k8s is None:
+        pytest.skip("the kubernetes client is an extra: pip install 'monarch-kernel[kubernetes]'")
+    r = k.ok("%mesh connect kube --k8s default --image fake/monarch:1 --replicas 2 --procs 1", timeout=120)
+    assert re.search(r"mesh 'kube': 2 procs \(hosts=2, gpus=1\) on kubernetes job mk-kube-\w+ started", r.stdout), \
+        r.stdout
+    assert "pods: Running 2; agents up 2/2" in _texts(r)
+    out = k.ok("%%on_mesh\nimport socket\nsocket.gethostname()")
+    assert "mk-kube-" in out.stdout + out.result and "-hosts-1" in out.stdout + out.result
+    k.ok("%mesh stop kube", timeout=60)
+    assert not k8s.pods and not k8s.secrets
 
 
 @pytest.mark.timeout(300)

@@ -55,9 +55,9 @@ def test_mesh_panel_status_bar_and_buttons_follow_the_mesh(tmp_path):
             mesh.locator(".mk-proc").nth(1).wait_for(timeout=90_000)
             assert mesh.locator(".mk-badge").inner_text() == "this notebook"
             sparks = f"document.querySelectorAll(\".mk-mesh[data-mesh='{MESH}'] .mk-spark polyline\").length"
-            page.wait_for_function(f"() => {sparks} >= 4", timeout=10_000)   # CPU and memory lines of 2 ranks
+            page.wait_for_function(f"() => {sparks} >= 4", timeout=30_000)   # CPU and memory lines of 2 ranks
             status = page.locator(".mk-status-item")
-            status.filter(has_text=f"mesh {MESH} · 2 procs").wait_for(timeout=10_000)
+            status.filter(has_text=f"mesh {MESH} · 2 procs").wait_for(timeout=30_000)
             assert re.fullmatch(rf"mesh {MESH} · 2 procs · lease \d+ min", status.inner_text().strip())
 
             # %mesh top refreshes on its own while the notebook is idle

@@ -480,3 +480,34 @@ def test_curve_links_work_and_refuse_a_plain_peer_even_with_a_validly_signed_mes
         print("AFTER", c.bump.call().get(30).values())
         """, env={"MONARCH_KERNEL_CURVE": "always", "MONARCH_KERNEL_SAME_HOST_IPC": "0"})
     assert "CALLS [1, 1]" in out and "AFTER [2, 2]" in out, out
+
+
+# ---------------------------------------------------------------- sync of paths a user cannot read
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"),
+                    reason="needs root and setpriv to run the walk as an unprivileged user")
+def test_sync_walk_reports_unreadable_links_and_gitignores_instead_of_raising():
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="mk-perm-")
+    try:
+        os.chmod(d, 0o755)
+        os.makedirs(f"{d}/pkg/sub")
+        with open(f"{d}/pkg/a.py", "w") as f:
+            f.write("x = 1\n")
+        with open(f"{d}/pkg/sub/.gitignore", "w") as f:
+            f.write("*.tmp\n")
+        os.chmod(f"{d}/pkg/sub/.gitignore", 0)
+        os.symlink("/proc/1/cwd", f"{d}/pkg/link")      # a link only root may follow
+        for p in (f"{d}/pkg", f"{d}/pkg/sub", f"{d}/pkg/a.py"):
+            os.chmod(p, 0o755)
+        code = (f"from monarch_kernel.sync.manifest import build_manifest\n"
+                f"m = build_manifest({d + '/pkg'!r})\n"
+                f"print('ENTRIES', [e[0] for e in m.entries]); print('PROBLEMS', [p.path for p in m.problems])")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                           capture_output=True, text=True, timeout=60,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert r.returncode == 0, r.stderr
+        assert "ENTRIES ['a.py']" in r.stdout and "'link'" in r.stdout and "'sub/.gitignore'" in r.stdout, r.stdout
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -52,3 +52,12 @@ def test_a_size_over_the_sync_limit_that_rounds_to_the_limit_shows_the_bytes():
 
     text = _too_large("/data", [], 1_100_000_001, 1_100_000_000)
     assert "1,100,000,001 bytes to sync, over the limit of 1,100,000,000 bytes" in text, text
+
+
+def test_after_a_rank_dies_in_a_cell_the_ranks_that_finished_keep_their_values(k):
+    r = k.run("%%on_mesh --ranks 1,2\nimport os, time\nif rank == 2:\n    os._exit(3)\ntime.sleep(0.3)\nrank * 10",
+              timeout=60)
+    assert r.status == "error"
+    text = r.stdout + r.stderr + str(r.error)
+    assert "SupervisionError" in text and "rank 2" in text, text
+    assert k.value("_on_mesh.values()[0]") == 10       # rank 1 finished: its value is kept

@@ -7,7 +7,9 @@ class MonarchError(Exception):
 
 
 class ActorError(MonarchError):
-    """An endpoint (or a cell) raised on a remote rank; the actor keeps serving.
+    """An endpoint (or a cell) raised on a remote rank. After an ``Exception`` with a caller
+    waiting, the actor keeps serving; a ``BaseException``, or a raise under ``broadcast``,
+    also fails the actor (Monarch's supervision: its owner is told).
 
     ``remote_traceback`` is the worker's formatted traceback; ``__cause__`` is the
     original exception when it could be sent back. ``results`` (a ValueMesh or None) holds

@@ -80,23 +80,25 @@ class PendingCall:
             self.queue = queue.SimpleQueue()
 
     def deliver(self, key: str, ok: bool, value) -> bool:
-        """Record one member's reply; True once the call is complete."""
+        """Record one member's reply; True once every member has answered (or died)."""
         i = self.index.get(key)
-        if i is None or self.results[i] is _DONE_MARK:
-            return False
+        if i is None or self.answered[i]:
+            return False   # unknown, or already answered (a death after its reply changes nothing)
         self.results[i] = value
         self.answered[i] = 1
+        self.remaining -= 1
         if not ok:
             self.failed.append(i)
-            if isinstance(value, SupervisionError):
-                # A dead member fails the whole call now, not when the others finish.
-                self.remaining = 0
+            if isinstance(value, SupervisionError) and self.future._state is _PENDING_STATE:
+                # A dead member fails the whole call now, not when the others finish; their
+                # replies are still recorded (a cell keeps their values, see answered_so_far).
                 if self.queue is not None:
                     self.queue.put((False, value))
                     self.queue.put(None)
                 self.future.set_exception(value)
-                return True
-        self.remaining -= 1
+                return self.remaining <= 0
+        if self.future._state is not _PENDING_STATE:
+            return self.remaining <= 0   # failed earlier by a death: only recorded
         if self.queue is not None:
             self.queue.put((ok, value))
         if self.remaining:
@@ -125,7 +127,6 @@ class PendingCall:
             self.queue.put(None)
 
 
-_DONE_MARK = object()
 
 
 class AgentLink:
@@ -302,6 +303,13 @@ class Runtime:
         for k in keys:
             out[k] += 1
         return call_id, p
+
+    def pending_of(self, fut: Future) -> PendingCall | None:
+        """The PendingCall behind a call's future (while it has members to hear from)."""
+        for p in list(self._pending.values()):
+            if p.future is fut:
+                return p
+        return None
 
     def answered_so_far(self, fut: Future) -> list | None:
         """For a call still pending: per member, (True, value) if it replied, else (False,

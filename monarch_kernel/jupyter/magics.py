@@ -34,7 +34,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.errors import ActorError, MeshGoneError, SupervisionError
 from .display import CellInterrupted, cell_error
-from .on_mesh import _Run, cell_run_args, outcome, output_options, select, supervision_message
+from .on_mesh import _Run, cell_run_args, outcome, output_options, select, supervision_message, values_after_death
 from .output import OutputRouter
 from .session import NotConnected, session
 
@@ -242,7 +242,7 @@ class MeshMagics(Magics):
             return None
         args, run, cap = prepared
         try:
-            values = _values(run.wait_sync)
+            values = _values(run)
         except CellInterrupted as e:   # ranks that would not stop: keep what the others returned
             self._keep_partial(args, e)
             raise
@@ -260,7 +260,7 @@ class MeshMagics(Magics):
             try:
                 values = (await run.wait_async()).values()
             except (ActorError, SupervisionError) as e:
-                values = _partial_values(e)
+                values = _partial_values(e, run)
         except CellInterrupted as e:
             self._keep_partial(args, e)
             raise
@@ -296,22 +296,26 @@ class MeshMagics(Magics):
             run = _Run(target, method, args, timeout, None, what)
         except SupervisionError as e:
             raise _died(e)
-        values = _values(run.wait_sync)
+        values = _values(run)
         return outcome(run, values)
 
 
-def _values(wait) -> list:
+def _values(run) -> list:
     try:
-        return wait().values()
+        return run.wait_sync().values()
     except (ActorError, SupervisionError) as e:
-        return _partial_values(e)
+        return _partial_values(e, run)
 
 
-def _partial_values(e: ActorError | SupervisionError) -> list:
+def _partial_values(e: ActorError | SupervisionError, run=None) -> list:
     """A cell that failed on some ranks still gives every rank's outcome (ActorError carries
-    them); a dead proc becomes the grouped cell error. Anything else propagates."""
+    them); a dead proc fails its rank, and the ranks that finished keep their values (the
+    grouped cell error says which). Anything else propagates."""
     if isinstance(e, SupervisionError):
-        raise _died(e)
+        values = values_after_death(run, e) if run is not None else None
+        if values is None:
+            raise _died(e)
+        return values
     if e.results is None:
         raise e
     return e.results.values()

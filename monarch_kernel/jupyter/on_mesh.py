@@ -94,6 +94,9 @@ class _Run:
         self.what = what
         self.started = time.monotonic()
         self.future = getattr(target, method).call(*args)
+        from ..core.runtime import runtime
+
+        self.pending = runtime().pending_of(self.future)   # who answered, if a rank dies meanwhile
         self.interrupted_at: float | None = None
         self.reason = ""
         self.debugger_widget = None   # set by the debugger's wait hook when it opens one here
@@ -208,6 +211,32 @@ class _Run:
                 + (f"; the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""))
         result = CellValues(self.target._view.extent, values, self.ranks)
         raise cell_error(groups, result, note=note, base=CellInterrupted)
+
+
+def values_after_death(run: _Run, err: SupervisionError) -> list | None:
+    """A rank died while the cell ran: wait up to a second for the live ranks to finish, so
+    their values are kept (``_on_mesh``); dead or unfinished ranks hold an ActorError."""
+    from ..core.runtime import runtime
+
+    p = run.pending
+    if p is None:
+        return None
+    rt = runtime()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(
+            not a and k not in rt.dead for a, k in zip(p.answered, p.keys)):
+        time.sleep(0.01)
+    values = []
+    for a, k, v in zip(p.answered, p.keys, p.results):
+        dead = rt.dead.get(k)
+        if a and not isinstance(v, SupervisionError):
+            values.append(v)
+        elif dead is not None or isinstance(v, SupervisionError):
+            values.append(ActorError(supervision_message(dead or v), exc_type="SupervisionError"))
+        else:
+            values.append(ActorError("did not finish within 1 s after another rank died",
+                                     exc_type="Unfinished"))
+    return values
 
 
 def _hold_s() -> float:

@@ -128,6 +128,8 @@ class CellCapture:
                 return
             self.live = True
             held, self.held = self.held, []
+            if self.options.mode == "merged":   # merged lines read best in rank order
+                held.sort(key=lambda ri: ri[0])
             self._write_held(held, self.parent, collated=False, display=self._show_live)
 
     def finish(self) -> None:

@@ -169,6 +169,7 @@ class TextLimits:
 
     def take_window(self) -> list[tuple[str, str, list[int]]]:
         lines, self.window = self.window, []
+        lines.sort(key=lambda ln: ln[0])   # rank order; stable, so each rank's order is kept
         return self.writable(merge(lines))
 
     # ------------------------------------------------------------------ what the cell says

@@ -302,8 +302,11 @@ def _with_gitignore(ex: Excludes, root: str, rel_dir: str) -> Excludes:
         return ex
     hit = _GI_CACHE.get(path)
     if hit is None or hit[0] != mt:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            hit = _GI_CACHE[path] = (mt, parse_rules(f, base=rel_dir))
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                hit = _GI_CACHE[path] = (mt, parse_rules(f, base=rel_dir))
+        except OSError:
+            return ex   # an unreadable .gitignore excludes nothing (the file itself is reported)
     return ex.extended(hit[1])
 
 
@@ -315,8 +318,12 @@ def _consider(root, real_root, rel, name, found, problems, de=None):
         problems.append(Problem(rel, f"cannot stat: {e.strerror}"))
         return
     if stat.S_ISLNK(st.st_mode):
-        target = os.readlink(full)
-        dest = os.path.realpath(os.path.join(os.path.dirname(full), target))
+        try:   # a link we may not follow (e.g. /proc/1/cwd as a user) is a problem, not a crash
+            target = os.readlink(full)
+            dest = os.path.realpath(os.path.join(os.path.dirname(full), target))
+        except OSError as e:
+            problems.append(Problem(rel, f"cannot read symlink: {e.strerror or e}; not synced"))
+            return
         if dest != real_root and not dest.startswith(real_root + os.sep):
             problems.append(Problem(rel, f"symlink leaves the tree (-> {target}); not synced"))
             return

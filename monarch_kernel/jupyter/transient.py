@@ -5,9 +5,9 @@ A widget saved in a notebook outlives its kernel-side model: reopened, JupyterLa
 every widget we show (the ``%mesh connect`` progress bar, the debugger) is shown with a
 display id, and ``settle(text)`` replaces that output in place by ``text`` and closes the
 widget; the kernel settles what is still shown when it shuts down or restarts. A saved
-notebook then holds plain text where the widget was. JupyterLab applies the update only
-while the cell that showed the widget still runs: show transient widgets from a running
-cell and settle them before it ends (the progress bar, the debugger under its cell).
+notebook then holds plain text where the widget was. (JupyterLab applies such an update
+whenever it arrives, also after the cell ended; the update sent while the kernel shuts down
+for a restart was not seen to land, so settle before that where it matters.)
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class TransientWidget:
         self.settled = False
         self.shell = get_ipython()
         kernel = getattr(self.shell, "kernel", None)
-        # JupyterLab applies an update only while the cell that showed the display runs,
-        # and matches it by parent: the update goes out under this cell's request.
+        # the update goes out under the request of the cell that showed the widget (not
+        # under a button's comm message), so a front-end relating outputs to cells sees it
         self.parent = kernel.get_parent("shell") if kernel is not None else None
         bundle = widget._repr_mimebundle_() if hasattr(widget, "_repr_mimebundle_") else {}
         if isinstance(bundle, tuple):

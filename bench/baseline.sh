@@ -11,4 +11,6 @@ if [ ! -x "$BV/bin/python" ]; then
   own=$("$BV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$site" > "$own/_use_project_venv.pth"
 fi
-exec "$BV/bin/python" ../shared/bench/baseline_zmq.py "$@"
+SHARED=../shared/bench
+[ -d "$SHARED" ] || SHARED=../../shared/bench   # from a worktree (/work/wt/NAME)
+exec "$BV/bin/python" "$SHARED/baseline_zmq.py" "$@"

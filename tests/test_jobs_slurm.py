@@ -166,3 +166,20 @@ def test_a_job_connect_takes_over_the_name_of_a_prewarmed_local_agent(cluster):
     finally:
         s.stop("nb-prewarmed")
     assert cluster.queue() == []
+
+
+def test_slurm_unreachable_is_an_error_not_a_job_given_up(cluster, monkeypatch, tmp_path):
+    job = SlurmJob(meshes={"hosts": 1})
+    try:
+        job.state()
+        (tmp_path / "slurm.conf").write_text("SlurmctldHost=nowhere(10.255.255.1)\n")
+        monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+        with pytest.raises(JobError, match=f"cannot ask Slurm about job {job.job_id}") as e:
+            job.state()
+        assert not isinstance(e.value, JobGoneError)
+        monkeypatch.setenv("SLURM_CONF", cluster.conf)
+        assert job.state().hosts is not None and cluster.queue()   # the same job, still there
+    finally:
+        monkeypatch.setenv("SLURM_CONF", cluster.conf)
+        job.kill()
+    assert cluster.queue() == []

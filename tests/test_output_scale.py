@@ -62,6 +62,16 @@ def test_live_output_is_merged_within_a_short_window(k):
     assert lines[0].startswith("[ranks ")
 
 
+def test_live_lines_come_in_rank_order_within_a_window(k):
+    """Ranks answer in reverse order within 0.14 s; the window writes them by rank (a
+    window boundary under load may split them once)."""
+    r = k.ok("%%on_mesh --stream\nimport time\nt = time.time()\ntime.sleep(0.6 - t % 0.5 + (7 - rank) * 0.02)\n"
+             "print('mine', rank, flush=True)\ntime.sleep(0.3)")
+    ranks = [int(ln.rsplit(" ", 1)[1]) for ln in r.stdout.splitlines() if " mine " in ln]
+    assert sorted(ranks) == list(range(N))
+    assert sum(1 for a, b in zip(ranks, ranks[1:]) if a > b) <= 1, ranks
+
+
 def test_show_ranks_and_quiet_ranks_filter_output_and_say_where_the_rest_is(k):
     r = k.ok("%%on_mesh --show-ranks 0\nprint('filtered', rank)")
     assert r.stdout == "[rank 0] filtered 0\n"

@@ -511,3 +511,34 @@ def test_sync_walk_reports_unreadable_links_and_gitignores_instead_of_raising():
         assert "ENTRIES ['a.py']" in r.stdout and "'link'" in r.stdout and "'sub/.gitignore'" in r.stdout, r.stdout
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_when_one_host_refuses_a_spawn_the_other_hosts_stop_their_share(monkeypatch):
+    from monarch_kernel.actor import attach_to_workers
+    from monarch_kernel.core.connection import new_key
+    from monarch_kernel.launch.local import start_local_agent
+
+    key = new_key()
+    roomy, roomy_proc = start_local_agent(key, name="abort-roomy", persistent=False, lease=60)
+    monkeypatch.setenv("MONARCH_KERNEL_MAX_PROCS", "1")
+    tight, tight_proc = start_local_agent(key, name="abort-tight", persistent=False, lease=60)
+    hm = attach_to_workers([roomy["addr"], tight["addr"]], key, name="abort-test")
+    try:
+        with pytest.raises(ValueError, match="holds at most 1"):
+            hm.spawn_procs(per_host={"gpus": 2})
+        assert _wait_for(lambda: _agent_children_of(roomy_proc.pid) == 1, 5), \
+            "the host that accepted kept its procs of a failed spawn"
+        assert len(hm.spawn_procs(per_host={"gpus": 1})) == 2   # a spawn both can hold works
+    finally:
+        hm.shutdown()
+        for p in (roomy_proc, tight_proc):
+            p.wait(10)
+
+
+def _wait_for(cond, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()

@@ -1,6 +1,6 @@
 """Soak: random calls, kills, freezes and respawns on a 4-proc mesh (issue 9).
 
-For ``MONARCH_KERNEL_SOAK_S`` seconds (45 by default, a few minutes at most in CI) a seeded
+For ``MONARCH_KERNEL_SOAK_S`` seconds (30 by default, a few minutes at most in CI) a seeded
 random schedule calls the ranks, SIGKILLs a rank then respawns it, freezes a rank
 (SIGSTOP/SIGCONT) and freezes the host agent itself past the host timeout (the host is
 declared lost, then comes back). Every update a caller saw acknowledged must still be on
@@ -24,7 +24,7 @@ from monarch_kernel.core.errors import MeshGoneError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-SOAK_S = float(os.environ.get("MONARCH_KERNEL_SOAK_S", "45"))
+SOAK_S = float(os.environ.get("MONARCH_KERNEL_SOAK_S", "30"))
 
 
 class Ledger(Actor):

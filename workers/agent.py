@@ -416,6 +416,15 @@ class HostAgent:
         keys = [self._fork(mesh_id, mesh_name, r, labels, sizes, sink, i) for i, r in enumerate(ranks)]
         self.spawns[uuid.uuid4().hex] = {"ident": ident, "req": req, "keys": keys}
 
+    def op_abort_spawn(self, ident, req, mesh_id):
+        """The controller gave up on spawning ``mesh_id`` (another host refused, or it timed
+        out): stop this host's share, including procs still being forked."""
+        for sid, sp in list(self.spawns.items()):
+            if any(k in self.procs and self.procs[k].mesh_id == mesh_id for k in sp["keys"]):
+                del self.spawns[sid]
+        self._cancel_spawn([k for k, p in self.procs.items() if p.mesh_id == mesh_id])
+        self.reply(ident, req, True, None)
+
     def op_respawn(self, ident, req, old_keys, sink):
         self.check_capacity(len(old_keys))
         keys = []

@@ -131,12 +131,18 @@ class HostMesh:
                                  list(range(h * per, (h + 1) * per)), labels, sizes, rt.contact)
                 for h, a in enumerate(self._agents)]
         refs: list[ProcRef] = []
-        for f in futs:
-            try:
-                refs.extend(f.get(120))
-            except HostUnreachableError as e:
-                raise MeshGoneError(f"cannot spawn proc mesh '{name}' on host mesh '{self.name}': {e}. "
-                                    f"{self._restart_hint()}") from None
+        try:
+            for f in futs:
+                try:
+                    refs.extend(f.get(120))
+                except HostUnreachableError as e:
+                    raise MeshGoneError(f"cannot spawn proc mesh '{name}' on host mesh '{self.name}': {e}. "
+                                        f"{self._restart_hint()}") from None
+        except BaseException:
+            # One host refused or failed: the others must not keep (or go on forking) their share.
+            for a in self._agents:
+                rt.agent_send(a["addr"], self._key, "abort_spawn", mesh_id)
+            raise
         refs.sort(key=lambda r: r.rank)
         st = ProcMeshState(mesh_id, name, self._key, labels, sizes, refs)
         st.host_mesh = self

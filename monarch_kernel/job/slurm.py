@@ -166,6 +166,10 @@ class SlurmJob(JobTrait):
         """The job as squeue sees it, or None when Slurm no longer knows it."""
         r = _run(["squeue", "-h", "-j", str(self.job_id), "-o", "%T|%r|%N|%L"])
         line = r.stdout.strip().splitlines()
+        if r.returncode != 0 and "Invalid job id" not in r.stderr:
+            # Slurm unreachable is not "the job ended": say so instead of giving the job up
+            why = r.stderr.strip() or f"squeue exit {r.returncode}"
+            raise JobError(f"cannot ask Slurm about job {self.job_id}: {why}")
         if r.returncode != 0 or not line:
             return None
         state, reason, nodes, left = (line[0].split("|") + ["", "", "", ""])[:4]
@@ -187,12 +191,17 @@ class SlurmJob(JobTrait):
         if r.returncode != 0 and "Invalid job id" not in r.stderr:
             raise JobError(f"scancel {self.job_id} failed: {r.stderr.strip()}")
         deadline = time.monotonic() + 10
+        st = None
         while time.monotonic() < deadline:
-            st = self._squeue()
+            try:
+                st = self._squeue()
+            except JobError:
+                time.sleep(0.2)
+                continue
             if st is None or st["state"] not in _RUNNING | _WAITING:
                 return
             time.sleep(0.05)
-        raise JobError(f"slurm job {self.job_id} still {st['state']} 10 s after scancel")
+        raise JobError(f"slurm job {self.job_id} still {st['state'] if st else 'unknown to squeue'} 10 s after scancel")
 
     def describe(self) -> dict:
         st = self._squeue() if self.job_id else None

@@ -3,8 +3,9 @@
 Live table of paused ranks, a rank selector, a command box, buttons (continue, step,
 next, up, down, where, continue all) and an output pane with a button per rank: choosing
 ranks in the list shows the first one's pane, which opens scrolled to its newest line.
-Shown as a transient widget (jupyter/transient.py): closed, or at kernel shutdown, it
-leaves a line of text, so a saved notebook holds no dead widget. The registry calls
+Shown as a transient widget (jupyter/transient.py) under the cell whose ranks paused:
+when that cell ends, on close, or at kernel shutdown it becomes a line of text, so a saved
+notebook holds no dead widget. The registry calls
 ``_changed`` from whichever thread read the rank's message (usually the runtime's I/O
 thread); widget state goes out on iopub, which ipykernel makes safe from any thread.
 Button clicks and the command box arrive as comm messages, which ipykernel 7 dispatches

@@ -289,6 +289,24 @@ def test_by_default_an_unhandled_failure_is_raised_at_the_next_interaction_not_e
     assert procs.spawn("after", Worker).value.call().get(30).values() == [0, 0]   # once only
 
 
+class SlowInit(Actor):
+    def __init__(self):
+        time.sleep(1.0)
+
+    @endpoint
+    def value(self) -> int:
+        return 0
+
+
+def test_a_mesh_stopped_before_its_actors_finished_init_is_not_a_failure(procs):
+    """Stopping a proc mesh (or killing a job) while a spawn's __init__ still ran failed that
+    spawn with 'the proc mesh was stopped', and the next, unrelated spawn raised it."""
+    doomed = this_host().spawn_procs(per_host={"gpus": 1}, name="doomed")
+    doomed.spawn("slow", SlowInit)
+    doomed.stop().get()
+    assert procs.spawn("unrelated", Worker).value.call().get(30).values() == [0, 0]
+
+
 def _raises(fn):
     try:
         fn()

@@ -428,6 +428,8 @@ def _on_initialized(am: ActorMeshState, refs, fut: Future) -> None:
         err = e
         failure = getattr(e, "failure", None) or MeshFailure(am.name, None, "", None, str(e))
     am.init_error = err
+    if am.stopped or am.proc_state.stopped:
+        return   # stopped on purpose before __init__ answered: nothing failed
     if rt.role == "controller" and not am.used:
         from .supervision import deliver_unhandled
 

@@ -215,8 +215,24 @@ def test_fake_gpu_samples_give_the_panel_a_gpu_line_and_none_without(monkeypatch
     monkeypatch.setattr(server, "store", lambda: st)
     now = time.time()
     rows = [(now - 2 + i, "h", "procs", r, 100 + r, 10.0, 100.0, 50.0, 4, 20, 30.0 + i if r == 0 else None,
-             512.0 if r == 0 else None) for i in range(3) for r in (0, 1)]
+             512.0 if r == 0 else None, "m1") for i in range(3) for r in (0, 1)]
     st.insert("tcp://fake:1", {"cursor": 6, "agent": "fake-gpu", "host": "h", "gpu": True,
                                "rows": {"samples": rows}})
     got = server._latest("fake-gpu")
     assert got[("procs", 0)]["gpu_hist"] == [30.0, 31.0, 32.0] and got[("procs", 1)]["gpu_hist"] == []
+
+
+def test_a_mesh_spawned_again_under_the_same_name_sees_only_its_own_rows():
+    """Three ranks of 'again' stopped, then two: the second mesh's query shows ranks 0-1 only
+    (rows were kept by mesh name, so the old rank 2 and its 'stopped' events showed up)."""
+    hm = this_host()
+    old = hm.spawn_procs({"gpus": 3}, name="again")
+    wait_for(lambda: len(old.telemetry.query("select distinct rank from samples")) == 3, within=15)
+    old.stop().get()
+    new = hm.spawn_procs({"gpus": 2}, name="again")
+    try:
+        wait_for(lambda: len(new.telemetry.query("select distinct rank from samples")) == 2, within=15)
+        assert [r[0] for r in new.telemetry.query("select distinct rank from samples order by rank")] == [0, 1]
+        assert {e for _, e in new.telemetry.query("select rank, event from proc_events")} == {"spawned"}
+    finally:
+        new.stop().get()

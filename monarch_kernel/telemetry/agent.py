@@ -58,13 +58,13 @@ class AgentTelemetry:
             self.agent.send(p.ident, ("ev", "tel_enable", False))
         event = "respawned" if p.key in self.respawning else "spawned"
         self.respawning.discard(p.key)
-        self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, p.pid, event, p.key))
+        self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, p.pid, event, p.key), p.mesh_id)
 
     def proc_exited(self, p, pid: int, how: str, stopping: bool) -> None:
         self.sampler.forget(pid)
         self.status.pop(p.key, None)
         self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, pid,
-                                  "stopped" if stopping else "died", how))
+                                  "stopped" if stopping else "died", how), p.mesh_id)
 
     def tick(self, now: float) -> None:
         while True:
@@ -77,8 +77,9 @@ class AgentTelemetry:
             return
         self.next_sample = now + self.interval
         alive = [p for p in self.agent.procs.values() if p.state == "alive" and p.pid]
+        mesh_ids = {p.pid: p.mesh_id for p in alive}
         for s in self.sampler.sample([(p.mesh_name, p.rank, p.pid) for p in alive]):
-            self._add("samples", tuple(s))
+            self._add("samples", tuple(s), mesh_ids.get(s.pid))
         for p in alive:   # the procs send their call records back as a tel_calls op
             self.agent.send(p.ident, ("ev", "tel_pull"))
         self._expire(time.time() - HISTORY_S)
@@ -135,10 +136,12 @@ class AgentTelemetry:
         and forget)."""
         if key in self.agent.procs and status is not None:
             self.status[key] = status
+        p = self.agent.procs.get(key)
+        mesh_id = p.mesh_id if p is not None else None
         for row in calls:
-            self._add("calls", (*row[:1], self.agent.host, *row[1:]))
+            self._add("calls", (*row[:1], self.agent.host, *row[1:]), mesh_id)
         for row in cells:
-            self._add("cells", (*row[:1], self.agent.host, *row[1:]))
+            self._add("cells", (*row[:1], self.agent.host, *row[1:]), mesh_id)
 
     def op_tel_logs(self, ident, req, mesh, ranks, grep, tail, since) -> None:
         """Search this host's proc logs on a helper thread; the loop sends the answer."""
@@ -151,8 +154,9 @@ class AgentTelemetry:
         threading.Thread(target=run, name="log-search", daemon=True).start()
 
     # ------------------------------------------------------------------ history
-    def _add(self, table: str, row: tuple) -> None:
-        self.tables[table].append((next(self.seq), row))
+    def _add(self, table: str, row: tuple, mesh_id: str | None) -> None:
+        """``mesh_id`` tells apart two meshes of one name (a mesh stopped, then spawned again)."""
+        self.tables[table].append((next(self.seq), (*row, mesh_id)))
 
     def _last_seq(self) -> int:
         return max((rows[-1][0] for rows in self.tables.values() if rows), default=0)

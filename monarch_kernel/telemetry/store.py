@@ -9,14 +9,16 @@ agents hold the history (an hour), so a restarted kernel gets it back on its fir
 
 ``mesh.telemetry.query("select rank, max(rss_mb) from samples group by rank")`` pulls what
 the mesh's agents gathered since the last look (one request per host, batched), then
-runs the query. Tables (``agent`` is the host agent's name, ``mesh`` the proc mesh's):
+runs the query over that mesh's rows only. Tables (``agent`` is the host agent's name,
+``mesh`` the proc mesh's, ``mesh_id`` one spawn of it: a mesh stopped and spawned again
+under the same name is another ``mesh_id``):
 
   samples(time, host, mesh, rank, pid, cpu_percent, rss_mb, uss_mb, threads, fds,
-          gpu_util, gpu_mem_mb, agent)          gpu_* are NULL on a host without a GPU
-  proc_events(time, host, mesh, rank, pid, event, detail, agent)
+          gpu_util, gpu_mem_mb, mesh_id, agent)  gpu_* are NULL on a host without a GPU
+  proc_events(time, host, mesh, rank, pid, event, detail, mesh_id, agent)
           event: spawned, died (detail: the signal or exit code), respawned, stopped
-  calls(time, host, mesh, rank, actor, endpoint, seconds, ok, agent)
-  cells(time, host, mesh, rank, cell, seconds, ok, agent)
+  calls(time, host, mesh, rank, actor, endpoint, seconds, ok, mesh_id, agent)
+  cells(time, host, mesh, rank, cell, seconds, ok, mesh_id, agent)
 """
 from __future__ import annotations
 
@@ -31,11 +33,13 @@ HISTORY_S = 3600.0
 
 SCHEMA = {
     "samples": "time REAL, host TEXT, mesh TEXT, rank INTEGER, pid INTEGER, cpu_percent REAL, rss_mb REAL, "
-               "uss_mb REAL, threads INTEGER, fds INTEGER, gpu_util REAL, gpu_mem_mb REAL, agent TEXT",
-    "proc_events": "time REAL, host TEXT, mesh TEXT, rank INTEGER, pid INTEGER, event TEXT, detail TEXT, agent TEXT",
+               "uss_mb REAL, threads INTEGER, fds INTEGER, gpu_util REAL, gpu_mem_mb REAL, mesh_id TEXT, agent TEXT",
+    "proc_events": "time REAL, host TEXT, mesh TEXT, rank INTEGER, pid INTEGER, event TEXT, detail TEXT, "
+                   "mesh_id TEXT, agent TEXT",
     "calls": "time REAL, host TEXT, mesh TEXT, rank INTEGER, actor TEXT, endpoint TEXT, seconds REAL, "
-             "ok INTEGER, agent TEXT",
-    "cells": "time REAL, host TEXT, mesh TEXT, rank INTEGER, cell TEXT, seconds REAL, ok INTEGER, agent TEXT",
+             "ok INTEGER, mesh_id TEXT, agent TEXT",
+    "cells": "time REAL, host TEXT, mesh TEXT, rank INTEGER, cell TEXT, seconds REAL, ok INTEGER, mesh_id TEXT, "
+             "agent TEXT",
 }
 
 
@@ -77,15 +81,27 @@ class TelemetryStore:
             if time.time() - self._last_trim > 60:
                 self._trim()
 
-    def query(self, sql: str, params=()) -> QueryResult:
+    def query(self, sql: str, params=(), mesh_id: str | None = None) -> QueryResult:
+        """Run ``sql``; with ``mesh_id``, every table name in it means that mesh's rows only
+        (temporary views of the same names, which SQLite looks up before the tables)."""
         with self.lock:
             try:
-                cur = self.db.execute(sql, params)
+                if mesh_id is not None:
+                    for table in SCHEMA:
+                        self.db.execute(f"create temp view {table} as select * from main.{table} "
+                                        f"where mesh_id = '{_sql_literal(mesh_id)}'")
+                try:
+                    cur = self.db.execute(sql, params)
+                    cols = tuple(d[0] for d in cur.description or ())
+                    rows = cur.fetchall()
+                finally:
+                    if mesh_id is not None:
+                        for table in SCHEMA:
+                            self.db.execute(f"drop view if exists temp.{table}")
             except sqlite3.Error as e:
                 raise ValueError(f"telemetry query failed: {e}. Tables: {', '.join(SCHEMA)}; "
                                  f"see monarch_kernel.telemetry.store for their columns") from None
-            cols = tuple(d[0] for d in cur.description or ())
-            return QueryResult(cur.fetchall(), cols)
+            return QueryResult(rows, cols)
 
     def _forget_agent(self, agent: str) -> None:
         for table in SCHEMA:
@@ -95,6 +111,10 @@ class TelemetryStore:
         self._last_trim = time.time()
         for table in SCHEMA:
             self.db.execute(f"delete from {table} where time < ?", (self._last_trim - HISTORY_S,))
+
+
+def _sql_literal(text: str) -> str:
+    return text.replace("'", "''")
 
 
 _STORE: TelemetryStore | None = None

@@ -7,8 +7,8 @@ of one proc mesh, from the agents of its hosts.
     mesh.telemetry.logs(grep="loss", tail=20)
     mesh.telemetry.sampling(0)         # stop sampling on its hosts (1.0: every second)
 
-Tables hold every mesh this process has looked at (filter with ``mesh`` and ``agent``
-when that is more than one); see ``store.py`` for the columns.
+A query sees this mesh's rows only, across its hosts (``agent``, ``host``) and respawns;
+see ``store.py`` for the columns.
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ class MeshTelemetry:
         store().pull(self._agents())
 
     def query(self, sql: str, *params) -> QueryResult:
-        """Run SQL over the telemetry tables, fresh from the hosts. ``?`` marks ``params``."""
+        """Run SQL over this mesh's rows of the telemetry tables, fresh from the hosts (a
+        mesh of the same name spawned before is not in them). ``?`` marks ``params``."""
         self.refresh()
-        return store().query(sql, params)
+        return store().query(sql, params, mesh_id=self._state.id)
 
     def latest(self) -> dict[int, dict]:
         """The newest sample of each live rank of this mesh, as dicts (for ``%mesh top``)."""
@@ -46,9 +47,9 @@ class MeshTelemetry:
             return {}
         marks = ",".join("?" * len(names))
         rows = store().query(
-            f"select s.* from samples s join (select agent, rank, max(time) t from samples where mesh = ? and "
+            f"select s.* from samples s join (select agent, rank, max(time) t from samples where mesh_id = ? and "
             f"agent in ({marks}) group by agent, rank) m on s.agent = m.agent and s.rank = m.rank and s.time = m.t",
-            (self._state.name, *names))
+            (self._state.id, *names))
         return {r[rows.columns.index("rank")]: dict(zip(rows.columns, r)) for r in rows}
 
     def history(self, column: str, seconds: float = 60.0) -> dict[int, list[float]]:
@@ -57,9 +58,9 @@ class MeshTelemetry:
             raise ValueError(f"no column {column!r} in samples ({SCHEMA['samples']})")
         names = self._agent_names()
         marks = ",".join("?" * len(names)) or "''"
-        rows = store().query(f"select rank, {column} from samples where mesh = ? and agent in ({marks}) and "
+        rows = store().query(f"select rank, {column} from samples where mesh_id = ? and agent in ({marks}) and "
                              f"time > (select max(time) from samples) - ? order by time",
-                             (self._state.name, *names, seconds))
+                             (self._state.id, *names, seconds))
         out: dict[int, list[float]] = {}
         for rank, v in rows:
             out.setdefault(rank, []).append(v)

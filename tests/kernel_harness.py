@@ -8,6 +8,7 @@ of the module; ``KernelHarness.close`` makes the same check for the whole module
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -177,3 +178,15 @@ class KernelHarness:
                 pass
         if left:
             pytest.fail(f"the kernel tests left {len(left)} process(es) behind: {sorted(left)}")
+
+
+@contextlib.contextmanager
+def kernel_with_mesh(mesh: str, connect_args: str = "", timeout: float = 120):
+    """A kernel after ``%mesh connect MESH ARGS`` (its reply is ``h.connect_reply``); the
+    mesh is stopped and the kernel shut down afterwards, whatever happened."""
+    h = KernelHarness()
+    try:
+        h.connect_reply = h.ok(f"%mesh connect {mesh} {connect_args}".rstrip(), timeout=timeout)
+        yield h
+    finally:
+        h.close(stop_meshes=(mesh,))

@@ -9,19 +9,15 @@ import queue
 import time
 
 import pytest
-from kernel_harness import KernelHarness
+from kernel_harness import KernelHarness, kernel_with_mesh
 
 MESH = "kt-debug"
 
 
 @pytest.fixture(scope="module")
 def k():
-    h = KernelHarness()
-    try:
-        h.ok(f"%mesh connect {MESH} --procs 3", timeout=120)
+    with kernel_with_mesh(MESH, "--procs 3") as h:
         yield h
-    finally:
-        h.close(stop_meshes=(MESH,))
 
 
 class Session:

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from kernel_harness import KernelHarness
+from kernel_harness import KernelHarness, kernel_with_mesh
 
 MESH = "kt-dap"
 CELL = "%%on_mesh\nx = rank * 10\ny = x + 1\nfor_gutter = 'line 4'\ny\n"
@@ -16,12 +16,8 @@ CELL = "%%on_mesh\nx = rank * 10\ny = x + 1\nfor_gutter = 'line 4'\ny\n"
 
 @pytest.fixture(scope="module")
 def k():
-    h = KernelHarness()
-    try:
-        h.ok(f"%mesh connect {MESH} --procs 2", timeout=120)
+    with kernel_with_mesh(MESH, "--procs 2") as h:
         yield h
-    finally:
-        h.close(stop_meshes=(MESH,))
 
 
 class Dap:

@@ -6,21 +6,16 @@ import tempfile
 import threading
 
 import pytest
-from kernel_harness import KernelHarness
+from kernel_harness import kernel_with_mesh
 
 MESH = "kt-magics"
 
 
 @pytest.fixture(scope="module")
 def k():
-    h = KernelHarness()
-    try:
-        r = h.ok(f"%mesh connect {MESH} --procs 4", timeout=120)
-        assert "4 procs (gpus=4) started" in r.stdout
-        h.connect_reply = r
+    with kernel_with_mesh(MESH, "--procs 4") as h:
+        assert "4 procs (gpus=4) started" in h.connect_reply.stdout
         yield h
-    finally:
-        h.close(stop_meshes=(MESH,))
 
 
 def test_connect_progress_bar_becomes_a_plain_line_when_done(k):

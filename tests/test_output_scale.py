@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from kernel_harness import KernelHarness
+from kernel_harness import kernel_with_mesh
 
 MESH = "kt-output-scale"
 N = 8
@@ -15,12 +15,8 @@ N = 8
 
 @pytest.fixture(scope="module")
 def k():
-    h = KernelHarness()
-    try:
-        h.ok(f"%mesh connect {MESH} --procs {N}", timeout=180)
+    with kernel_with_mesh(MESH, f"--procs {N}", timeout=180) as h:
         yield h
-    finally:
-        h.close(stop_meshes=(MESH,))
 
 
 def summaries(r) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kernel_harness import KernelHarness
+from kernel_harness import kernel_with_mesh
 
 MESH = "kt-reliability"
 
@@ -15,12 +15,8 @@ STUCK = "import re\nif rank == 0:\n    re.match(r'(a+)+$', 'a' * 40 + 'b')\nrank
 
 @pytest.fixture(scope="module")
 def k():
-    h = KernelHarness()
-    try:
-        h.ok(f"%mesh connect {MESH} --procs 3", timeout=120)
+    with kernel_with_mesh(MESH, "--procs 3") as h:
         yield h
-    finally:
-        h.close(stop_meshes=(MESH,))
 
 
 def test_one_rank_stuck_in_native_code_is_blamed_alone_and_the_others_values_are_kept(k):

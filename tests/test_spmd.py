@@ -7,20 +7,17 @@ from __future__ import annotations
 import time
 
 import pytest
-from kernel_harness import KernelHarness
+from kernel_harness import kernel_with_mesh
 
 MESH = "kt-spmd"
 
 
 @pytest.fixture(scope="module")
 def k():
-    h = KernelHarness()
-    try:
-        r = h.ok(f"%mesh connect {MESH} --procs 4 --dist", timeout=180)
+    with kernel_with_mesh(MESH, "--procs 4 --dist", timeout=180) as h:
+        r = h.connect_reply
         assert "torch.distributed: gloo process group over 4 ranks" in r.stdout, r.stdout
         yield h
-    finally:
-        h.close(stop_meshes=(MESH,))
 
 
 def test_connect_dist_gives_every_rank_torchruns_env_and_a_gloo_group(k):

@@ -6,19 +6,15 @@ import threading
 import time
 
 import pytest
-from kernel_harness import KernelHarness
+from kernel_harness import kernel_with_mesh
 
 MESH = "kt-telemetry"
 
 
 @pytest.fixture(scope="module")
 def k():
-    h = KernelHarness()
-    try:
-        h.ok(f"%mesh connect {MESH} --procs 2", timeout=120)
+    with kernel_with_mesh(MESH, "--procs 2") as h:
         yield h
-    finally:
-        h.close(stop_meshes=(MESH,))
 
 
 def test_logs_show_what_ranks_printed_with_grep_ranks_and_tail(k):

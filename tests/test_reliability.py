@@ -501,12 +501,21 @@ def test_sync_walk_reports_unreadable_links_and_gitignores_instead_of_raising():
         os.symlink("/proc/1/cwd", f"{d}/pkg/link")      # a link only root may follow
         for p in (f"{d}/pkg", f"{d}/pkg/sub", f"{d}/pkg/a.py"):
             os.chmod(p, 0o755)
-        code = (f"from monarch_kernel.sync.manifest import build_manifest\n"
+        # The walk's module (stdlib only) is copied beside the tree: the checkout itself may sit
+        # where the unprivileged user cannot read (a fresh clone under a 0700 temp dir).
+        from monarch_kernel.sync import manifest
+
+        os.makedirs(f"{d}/mod")
+        shutil.copy(manifest.__file__, f"{d}/mod/walk_under_test.py")
+        os.chmod(f"{d}/mod", 0o755)
+        os.chmod(f"{d}/mod/walk_under_test.py", 0o644)
+        code = (f"from walk_under_test import build_manifest\n"
                 f"m = build_manifest({d + '/pkg'!r})\n"
                 f"print('ENTRIES', [e[0] for e in m.entries]); print('PROBLEMS', [p.path for p in m.problems])")
-        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
-                           capture_output=True, text=True, timeout=60,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            os.path.realpath(sys.executable), "-c", code],
+                           capture_output=True, text=True, timeout=60, cwd=d,
+                           env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{d}/mod"})
         assert r.returncode == 0, r.stderr
         assert "ENTRIES ['a.py']" in r.stdout and "'link'" in r.stdout and "'sub/.gitignore'" in r.stdout, r.stdout
     finally:

@@ -46,7 +46,7 @@ def this_proc() -> ProcMesh:
     client): the client's proc, a companion proc started on first use on this machine, so
     ``this_proc().spawn(...)`` works as in Monarch (its actors run there, not inside the
     controller's own process)."""
-    import workers.proc as proc_mod
+    import monarch_kernel.node.proc as proc_mod
 
     from .core.mesh import ProcMeshState
     from .core.runtime import ProcRef, runtime

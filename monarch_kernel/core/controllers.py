@@ -42,7 +42,7 @@ def get_or_spawn_controller(name: str, cls, *args, **kwargs) -> Future:
         except BaseException as e:
             fut.set_exception(e)
         return fut
-    import workers.proc as proc_mod
+    import monarch_kernel.node.proc as proc_mod
 
     w = proc_mod.WORKER
     if w is None or w.sink is None:

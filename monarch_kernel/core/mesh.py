@@ -544,7 +544,7 @@ def _owner():
     ctx = _CTX.get()
     if ctx is None or not ctx.actor_instance.actor_id or ctx.actor_instance.actor_id == "client":
         return None
-    import workers.proc as proc_mod
+    import monarch_kernel.node.proc as proc_mod
 
     w = proc_mod.WORKER
     if w is None:
@@ -559,7 +559,7 @@ def _note_owner(aid: str, keys) -> None:
     ctx = _CTX.get()
     if ctx is None:
         return
-    import workers.proc as proc_mod
+    import monarch_kernel.node.proc as proc_mod
 
     worker = proc_mod.WORKER
     if worker is not None:

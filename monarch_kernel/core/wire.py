@@ -340,6 +340,10 @@ class Keyring:
             self._keys[kid] = key
         return kid
 
+    def any_key(self) -> bytes:
+        """A key this process trusts (to sign a message to itself); KeyError if none."""
+        return next(iter(self._keys.values()))
+
     def sign(self, key: bytes, frames: list) -> list:
         """``frames`` = [header, *buffers] -> the frames to send: the first is
         ``key id (8) + MAC (16) + header``."""

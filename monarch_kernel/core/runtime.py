@@ -25,10 +25,11 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from . import curve, wire
+from . import curve, extensions, wire
 from .errors import ActorError, HostUnreachableError, MeshFailure, SupervisionError
 from .future import _PENDING as _PENDING_STATE
 from .future import Future
+from .host_liveness import LocalAgentWatch
 
 log = logging.getLogger("monarch_kernel")
 
@@ -148,6 +149,7 @@ class AgentLink:
         self.lost_errors: dict[str, SupervisionError] = {}   # procs failed because of the silence
         self.failed_while_lost: list[str] = []   # what failed because of it (calls, requests)
         self.pid: int | None = None   # the agent's pid when it runs on this machine
+        self.os_watch: LocalAgentWatch | None = None   # then: is its silence load? (host_liveness.py)
         self.host = ""
 
     def describe_loss(self, now: float) -> str:
@@ -212,7 +214,6 @@ class Runtime:
         self.handlers: dict[str, Callable] = {
             "r": self._on_result, "out": self._on_output, "died": self._on_died,
             "unhandled": self._on_unhandled, "replaced": self._on_replaced, "wake": _ignore,
-            "dbg": _load_debugger,
         }
         self.agent_event_handlers: dict[str, Callable] = {"died": self._on_agent_died}
         self.output: Callable[[int, str, str], None] = _print_output
@@ -539,6 +540,7 @@ class Runtime:
             link.watched = True
             link.last_seen = time.monotonic()
             link.pid, link.host = pid, host
+            link.os_watch = LocalAgentWatch(pid) if pid else None
         self.call_in_io(go)
 
     def _link(self, addr: str, key: bytes) -> AgentLink:
@@ -625,7 +627,7 @@ class Runtime:
         return bool(self._inbox_wanted) or time.monotonic() - self._inbox_released_at <= 0.001
 
     def _dispatch(self, msg):
-        h = self.handlers.get(msg[0])
+        h = self.handlers.get(msg[0]) or extensions.message_handler(msg[0])
         if h is None:
             log.warning("dropped a message of unknown kind %r", msg[0])
             return
@@ -707,10 +709,14 @@ class Runtime:
                 link.sock.send_multipart(self.pack(link.key, ("req", 0, "hb", (self.address,))), copy=False)
             if link.lost:
                 continue
-            gone = link.pid is not None and now - link.last_seen > HEARTBEAT_S and not _pid_alive(link.pid)
+            silent = now - link.last_seen
+            gone = link.pid is not None and silent > HEARTBEAT_S and not _pid_alive(link.pid)
+            # A same-machine agent that wants the CPU is starved, not lost (host_liveness.py).
+            load = not gone and silent > HEARTBEAT_S and link.os_watch is not None and \
+                link.os_watch.silence_is_load(now, silent)
             # Silence counts only if we really asked: an I/O thread starved of the GIL (a long
             # pickle on the main thread) sent no heartbeats and must not declare a host lost.
-            if gone or (now - link.last_seen > HOST_TIMEOUT_S and link.unanswered >= 4):
+            if gone or (silent > HOST_TIMEOUT_S and link.unanswered >= 4 and not load):
                 link.lost = True
                 link.lost_since = link.last_seen
                 self._host_lost(link, now - link.last_seen, gone)
@@ -849,13 +855,6 @@ def ipc_name(what: str) -> str:
 
 def _ignore(msg) -> None:
     pass
-
-
-def _load_debugger(msg) -> None:
-    """A rank paused in breakpoint(): load the controller's debugger, which takes over "dbg"."""
-    from ..debug.registry import registry
-
-    registry().on_message(msg)
 
 
 def _print_output(rank: int, stream: str, text: str) -> None:

@@ -612,6 +612,7 @@ def main(cfg: dict) -> int:
         setup_proc(cfg["sync"])
     global WORKER
     WORKER = worker
+    context_mod.set_proc_worker(worker)
     debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
     from monarch_kernel.node.rich_output import use_on_this_rank
 

@@ -13,7 +13,7 @@ import pytest
 
 from monarch_kernel.actor import Actor, endpoint
 from monarch_kernel.core.connection import connection_path as job_path
-from monarch_kernel.job import JobError, JobGoneError, LocalJob, ProcessJob
+from monarch_kernel.job import JobError, JobGoneError, LocalJob, ProcessJob, job_load
 
 ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -129,6 +129,69 @@ def test_process_job_as_monarch_examples_call_it_with_several_meshes_env_and_no_
             _ = state.learners
     finally:
         job.kill()
+
+
+def test_kill_releases_only_what_this_job_object_applied_never_a_job_cached_by_someone_else():
+    mine = ProcessJob(meshes={"hosts": 1}, name="kill-rule")
+    try:
+        mine.state()
+        theirs = ProcessJob(meshes={"hosts": 1}, name="kill-rule")   # same name and spec, never applied
+        with pytest.warns(UserWarning, match=r"never applied in this process, so kill\(\) released nothing.*"
+                                             r"job_load\(.*\)\.kill\(\) or `%mesh stop kill-rule`"):
+            theirs.kill()
+        assert all(_running(p) for p in _agent_pids(mine)) and job_path("kill-rule").exists()
+        # an uncached job of the same spec: its kill() ends its own agents, not the cache of mine
+        private = ProcessJob(meshes={"hosts": 1}, name="kill-rule")
+        private.state(cached_path=None)
+        private_pids = _agent_pids(private)
+        private.kill()
+        assert not [p for p in private_pids if _running(p)]
+        assert all(_running(p) for p in _agent_pids(mine)) and job_path("kill-rule").exists()
+        loaded = job_load(job_path("kill-rule"))   # what the warning says: this releases it
+        loaded.kill()
+        assert not [p for p in _agent_pids(mine) if _running(p)] and not job_path("kill-rule").exists()
+    finally:
+        mine.kill()
+
+
+SIGTERMED = """
+import json, sys, time
+from monarch_kernel.job import ProcessJob
+default = ProcessJob(meshes={"hosts": 1}, name="term-default")
+chosen = ProcessJob(meshes={"hosts": 1}, name="term-chosen", lease=600)
+private = ProcessJob(meshes={"hosts": 1}, name="term-private")
+procs = default.state().hosts.spawn_procs(per_host={"gpus": 1})
+chosen.state()
+private.state(cached_path=None)
+pids = {j.name: [a["pid"] for a in j._agents] for j in (default, chosen, private)}
+pids["procs"] = [r["pid"] for r in default.state().hosts.status()]
+print(json.dumps(pids), flush=True)
+time.sleep(300)
+"""
+
+
+def test_sigterm_to_the_controller_ends_its_process_job_agents_unless_a_lease_was_chosen():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MONARCH_KERNEL_NO_TORCH="1")
+    ctl = subprocess.Popen([sys.executable, "-c", SIGTERMED], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = json.loads(ctl.stdout.readline())
+        assert pids["procs"] and all(_running(p) for p in sum(pids.values(), []))
+        ctl.terminate()
+        assert ctl.wait(20) == -15   # still ended by SIGTERM, as without us
+        deadline = time.monotonic() + 10
+        ended = pids["term-default"] + pids["procs"] + pids["term-private"]
+        while [p for p in ended if _running(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in ended if _running(p)], "agents or procs left after SIGTERM"
+        assert not job_path("term-default").exists()
+        assert all(_running(p) for p in pids["term-chosen"])   # lease=600: persistent by choice
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
+        if job_path("term-chosen").exists():
+            job_load(job_path("term-chosen")).kill()
+    assert not [p for p in pids["term-chosen"] if _running(p)]
 
 
 def _connect_args(line: str):

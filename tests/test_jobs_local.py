@@ -224,3 +224,40 @@ def test_connect_shorthands_make_the_job_they_name_and_bad_combinations_say_why(
         job_from_args({}, _connect_args('x --slurm "-N 2-4"'), None)
     with pytest.raises(UsageError, match="not allowed with argument"):
         _connect_args('x --slurm "-N 2" --ssh a,b')
+
+
+def test_a_notebook_runs_cells_on_the_mesh_of_a_multi_mesh_job_it_names_and_moves_between_them():
+    from kernel_harness import KernelHarness
+
+    k = KernelHarness(env={"MONARCH_KERNEL_NO_TORCH": "1"})
+    try:
+        k.ok("from monarch_kernel.job import ProcessJob\npj = ProcessJob({'trainers': 2, 'loaders': 1}, name='multi')")
+        bad = k.run("%mesh connect multi --job pj --mesh learners")
+        assert bad.status == "error", bad.stdout
+        assert "has no mesh 'learners'; its meshes: trainers, loaders" in bad.stderr, bad.stderr
+        assert not job_path("multi").exists()   # a typo asks for nothing
+        r = k.ok("%mesh connect multi --job pj --mesh loaders --procs 1", timeout=120)
+        assert "mesh 'multi': 1 procs (hosts=1, gpus=1) on mesh 'loaders' of process job" in r.stdout, r.stdout
+        assert "the job's other meshes: trainers (`pj.state().trainers` in Python; " \
+               "`%mesh connect multi --mesh trainers` runs the cells there)" in r.stdout
+        k.ok("%%on_mesh\nwhere = f'loader {rank}'")
+        status = k.ok("%mesh status")
+        shown = status.stdout + status.result + "".join(str(m["content"].get("data", {})) for m in status.outputs)
+        assert "mesh 'loaders' of trainers, loaders" in shown, shown
+        assert k.value("pj.state().trainers.spawn_procs(per_host={'gpus': 1}).sizes") == {"hosts": 2, "gpus": 1}
+        r = k.ok("%mesh connect multi --mesh trainers", timeout=120)
+        assert "mesh 'multi': 2 procs (hosts=2, gpus=1) on mesh 'trainers'" in r.stdout, r.stdout
+        out = k.ok("%%on_mesh\n'where' in globals()")
+        assert "True" not in out.stdout + out.result
+        k.ok("%mesh connect multi --mesh loaders", timeout=60)
+        out = k.ok("%%on_mesh\nwhere")   # the loaders' namespace was kept
+        assert "loader 0" in out.stdout + out.result
+        agents = k.value("[a['pid'] for a in pj._agents]")
+        assert len(agents) == 3
+        k.ok("%mesh stop multi", timeout=60)
+        deadline = time.monotonic() + 10
+        while [p for p in agents if _running(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in agents if _running(p)]
+    finally:
+        k.close(stop_meshes=("multi",))

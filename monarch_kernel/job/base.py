@@ -90,7 +90,7 @@ class JobTrait(ABC):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"meshes[{k!r}] must be a positive number of hosts, got {v!r}")
         self._meshes = dict(meshes)
-        self.lease = float(lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
+        self._lease = float(lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
         #: the user asked for a lease: the hosts are to outlive this process by choice
         self._lease_chosen = lease is not None
         self._name = check_name(name) if name else None
@@ -133,6 +133,17 @@ class JobTrait(ABC):
     def name(self) -> str:
         """The job's mesh name: given, or derived from its spec (the same call, the same name)."""
         return self._name or f"{self.kind}-{self._spec_digest()}"
+
+    @property
+    def lease(self) -> float:
+        """Seconds the hosts wait with no controller attached before they end."""
+        return self._lease
+
+    @lease.setter
+    def lease(self, seconds: float) -> None:
+        """Choose the lease (``%mesh connect --lease`` does): the hosts are then meant to
+        outlive this process for that long, even when it gets a SIGTERM."""
+        self._lease, self._lease_chosen = float(seconds), True
 
     @property
     def job_id(self) -> str | None:
@@ -249,7 +260,8 @@ class JobTrait(ABC):
                 "agents": [{k: a.get(k) for k in ("addr", "host", "pid", "mesh", "rank")} for a in self._agents],
                 "persistent": True, "lease": self.lease,
                 "job": {"kind": self.kind, "class": f"{type(self).__module__}.{type(self).__qualname__}",
-                        "spec": self.spec(), "handle": self._handle, "created": time.time()}}
+                        "spec": self.spec(), "handle": self._handle, "created": time.time(),
+                        "lease_chosen": self._lease_chosen}}
 
     def _adopt(self, rec: dict, path: Path) -> None:
         job = rec.get("job") or {}
@@ -349,4 +361,5 @@ def job_load(path: str | Path) -> JobTrait:
     obj = klass._from_spec(job["spec"], name=rec["name"], lease=rec.get("lease"))
     obj._adopt(rec, Path(path))
     obj._cache = Path(path)
+    obj._lease_chosen = bool(job.get("lease_chosen", True))
     return obj

@@ -148,6 +148,8 @@ def _end_on_sigterm(job: ProcessJob) -> None:
 
 def _on_sigterm(signum, frame) -> None:
     for job in list(_ENDED_ON_SIGTERM):
+        if job._lease_chosen:   # chosen after state() (job.lease = ..., %mesh connect --lease)
+            continue
         try:
             job._release()
             job._reset(job._cache)

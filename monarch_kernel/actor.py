@@ -15,7 +15,6 @@ differ on purpose.
 from __future__ import annotations
 
 import os
-import threading
 
 from .core.actors import Actor, concurrent_endpoint, endpoint
 from .core.bootstrap import attach_to_workers, default_per_host
@@ -26,6 +25,7 @@ from .core.endpoint import Endpoint, as_endpoint
 from .core.errors import ActorError, MeshFailure, MeshGoneError, MonarchError, SupervisionError
 from .core.future import Future
 from .core.hosts import HostMesh, attach, this_host
+from .core.local_proc import this_proc
 from .core.mesh import ActorMesh, ProcMesh
 from .core.shape import Extent, Point
 from .core.supervision import default_unhandled_fault_hook
@@ -34,40 +34,6 @@ from .core.values import ValueMesh
 # Replaceable, as in Monarch: ``monarch_kernel.actor.unhandled_fault_hook = fn``. Ours
 # raises the failure at the next interaction instead of exiting (see core/supervision.py).
 unhandled_fault_hook = default_unhandled_fault_hook
-
-_client_proc: ProcMesh | None = None
-_client_lock = threading.Lock()
-
-
-def this_proc() -> ProcMesh:
-    """The one-member ProcMesh this code runs on, to spawn actors beside it.
-
-    Inside an actor (or an ``%%on_mesh`` cell): its own proc. On the controller (the
-    client): the client's proc, a companion proc started on first use on this machine, so
-    ``this_proc().spawn(...)`` works as in Monarch (its actors run there, not inside the
-    controller's own process)."""
-    import workers.proc as proc_mod
-
-    from .core.mesh import ProcMeshState
-    from .core.runtime import ProcRef, runtime
-    from .core.shape import MeshView
-
-    w = proc_mod.WORKER
-    if w is None:
-        global _client_proc
-        with _client_lock:
-            if _client_proc is None or _client_proc._state.stopped:
-                _client_proc = this_host().spawn_procs(per_host={}, name="client")
-            return _client_proc
-    rt = runtime()
-    sid = f"self-{w.proc_key}"
-    st = rt.mesh_states.get(sid)
-    if st is None:
-        ref = ProcRef(w.proc_key, w.rank, w.host, os.getpid(), w.work_addr, rt.address, w.agent,
-                      w.work_ipc, rt.ipc_address, rt.host_id, rt.curve_public)
-        st = rt.mesh_states[sid] = ProcMeshState(sid, w.mesh_name, w.key, (), (), [ref])
-    return ProcMesh(st, MeshView((), (), (0,)))
-
 
 def send(endpoint: Endpoint, args: tuple = (), kwargs: dict | None = None, port: Port | None = None,
          selection: str = "all") -> None:

@@ -389,7 +389,7 @@ def test_worker_output_reaches_the_controller_by_rank_in_order(counters):
 
 def test_a_flood_of_output_is_limited_at_the_proc_and_the_rest_is_counted(counters):
     """Past its burst a proc stops sending lines (they stay in its log file) and says how
-    many it kept back, so a flood cannot bury the controller's inbox (workers/output_limit.py)."""
+    many it kept back, so a flood cannot bury the controller's inbox (monarch_kernel/node/output_limit.py)."""
     rt = runtime()
     got: list = []
     orig = rt.output

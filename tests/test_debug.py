@@ -140,7 +140,7 @@ def test_where_starts_at_the_cell_not_at_our_machinery(k):
               ["where", "up", "up", "continue"])
     assert s.status == "ok", s.text
     where = s.text.split("(rank 1 pdb) where\n")[1].split("(rank 1 pdb)")[0]
-    for internal in ("runpy", "zygote", "workers/proc.py", "cells.py"):
+    for internal in ("runpy", "zygote", "node/proc.py", "cells.py"):
         assert internal not in where, where   # was: ~10 frames of the proc's own loop first
     assert where.lstrip().startswith("[0] <In [") and "f()" in where
     assert "Oldest frame" in s.text.split("(rank 1 pdb) up\n")[2]   # `up` stops at the cell

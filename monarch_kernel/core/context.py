@@ -13,6 +13,19 @@ _CTX: contextvars.ContextVar = contextvars.ContextVar("monarch_kernel_context", 
 # Set by the proc worker: an object with stop_actor(actor_id, reason) and
 # abort_actor(actor_id, reason), so an actor can end itself.
 SELF_CONTROL = None
+_PROC_WORKER = None
+
+
+def set_proc_worker(worker) -> None:
+    """Called once by the proc worker (the node side) when this process becomes a proc."""
+    global _PROC_WORKER
+    _PROC_WORKER = worker
+
+
+def proc_worker():
+    """This process's proc worker (its ``proc_key``, ``work_addr``, ``key``, ``sink``,
+    ``owned``...), or None in a controller."""
+    return _PROC_WORKER
 
 
 class ActorInstance:
@@ -27,7 +40,7 @@ class ActorInstance:
     @property
     def proc(self):
         """The one-member ProcMesh this actor runs on (``this_proc()``)."""
-        from ..actor import this_proc
+        from .local_proc import this_proc
 
         return this_proc()
 

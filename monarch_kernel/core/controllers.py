@@ -20,7 +20,7 @@ CONTROLLER_KEY = "controller"   # the pseudo member key of a reply from the cont
 
 def get_or_spawn_local(name: str, cls, args: tuple, kwargs: dict):
     """On the controller: the ActorMesh registered as ``name``, spawned on first use."""
-    from ..actor import this_proc
+    from .local_proc import this_proc
 
     with _lock:
         mesh = _registry.get(name)
@@ -42,9 +42,9 @@ def get_or_spawn_controller(name: str, cls, *args, **kwargs) -> Future:
         except BaseException as e:
             fut.set_exception(e)
         return fut
-    import workers.proc as proc_mod
+    from .context import proc_worker
 
-    w = proc_mod.WORKER
+    w = proc_worker()
     if w is None or w.sink is None:
         raise RuntimeError("get_or_spawn_controller() needs a controller attached to this mesh")
     call_id, pending = rt.new_call([CONTROLLER_KEY], None, "one", f"controller {name!r}")

@@ -21,6 +21,7 @@ from .connection import (
     read_connection_file,
 )
 from .errors import HostUnreachableError, MeshFailure, MeshGoneError
+from .extensions import start_local_agent
 from .future import Future
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
 from .runtime import ProcRef, _pid_alive, pid_space, runtime
@@ -167,8 +168,6 @@ class HostMesh:
                                       "remote agents with the interpreter you want (python -m workers.agent)")
         if not (os.path.isfile(python_executable) and os.access(python_executable, os.X_OK)):
             raise ValueError(f"with_python_executable: {python_executable!r} is not an executable file")
-        from ..launch.local import start_local_agent
-
         key = new_key()
         agent, proc = start_local_agent(key, name=f"private-{os.getpid()}-{uuid.uuid4().hex[:6]}", persistent=False,
                                         python=python_executable)
@@ -389,8 +388,6 @@ def this_host(name: str | None = None, *, lease: float | None = None) -> HostMes
     persistent mesh that outlives this process (re-attach with ``attach(name)`` or
     ``this_host(name)``) and stops after ``lease`` seconds with no controller attached.
     """
-    from ..launch.local import start_local_agent
-
     key_name = name or f"private-{os.getpid()}"
     with _lock:
         hm = _named.get(key_name)

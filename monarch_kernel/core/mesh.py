@@ -29,6 +29,7 @@ from .endpoint import (
     _wait_initialized,
 )
 from .errors import ActorError, MeshFailure, MeshGoneError, SupervisionError
+from .extensions import install_proc_mesh_members, respawn_hooks
 from .future import Future
 from .runtime import ProcRef, Runtime, runtime
 from .shape import Extent, MeshView
@@ -39,9 +40,6 @@ T = TypeVar("T")
 # waits on them at the cell's end, so a failed __init__ shows under the cell that spawned it).
 # None (not kept) outside a notebook.
 recent_spawns: list | None = None
-# Called as ``hook(proc_mesh)`` after ``respawn()`` replaced dead procs (features that keep
-# per-mesh state on the procs register here, e.g. monarch_kernel.tensor re-forms its group).
-RESPAWN_HOOKS: list = []
 
 
 class ProcMeshState:
@@ -321,44 +319,13 @@ class ProcMesh(_Sliceable):
         if hm is None:
             raise MeshGoneError("respawn() is for the controller that spawned or attached this mesh")
         hm._respawn(st)
-        for hook in list(RESPAWN_HOOKS):
+        for hook in respawn_hooks():   # extensions.register_respawn_hook (e.g. tensor re-forms its group)
             hook(self)
         return self
 
-    def sync_workspace(self, paths=None, **kwargs):
-        """Push local code to this mesh's hosts; procs reload it (monarch_kernel.sync)."""
-        from ..sync import sync_workspace
-
-        return sync_workspace(self, paths, **kwargs)
-
-    # torch.distributed and distributed tensors (monarch_kernel.tensor, imported on first use)
-    def init_process_group(self, backend: str | None = None, timeout: float | None = None) -> ProcMesh:
-        """torchrun's env and ``init_process_group`` on every proc (nccl with CUDA, else gloo)."""
-        from ..tensor.dist import init_process_group
-
-        return init_process_group(self, backend, timeout)
-
-    def distribute(self, tensor, placements=None):
-        """A handle to ``tensor`` laid out over this mesh (``placements``: one Shard(d) or
-        Replicate() per mesh dim); each rank holds its local DTensor."""
-        from ..tensor.handle import distribute
-
-        return distribute(self, tensor, placements)
-
-    def tensor(self, factory, placements=None):
-        """A handle to the tensor ``factory()`` makes on the ranks (rank 0's values), laid out
-        by ``placements``."""
-        from ..tensor.handle import from_factory
-
-        return from_factory(self, factory, placements)
-
-    @property
-    def telemetry(self):
-        """SQL over its hosts' samples, proc events, calls and cells; its logs
-        (monarch_kernel.telemetry): ``mesh.telemetry.query("select ... from samples")``."""
-        from ..telemetry.view import MeshTelemetry
-
-        return MeshTelemetry(self._state)
+    # Members that reach a feature (sync_workspace, init_process_group, distribute, tensor,
+    # telemetry) are added by monarch_kernel/features.py through
+    # extensions.register_proc_mesh_member: the core imports no feature.
 
     def __repr__(self):
         return f"<ProcMesh '{self.name}' {self._view.describe()}{_dead_note(self)}>"
@@ -367,6 +334,9 @@ class ProcMesh(_Sliceable):
         from .reprs import proc_mesh_html
 
         return proc_mesh_html(self)
+
+
+install_proc_mesh_members(ProcMesh)   # what features registered before this module loaded
 
 
 def _dead_note(pm: ProcMesh) -> str:
@@ -544,9 +514,9 @@ def _owner():
     ctx = _CTX.get()
     if ctx is None or not ctx.actor_instance.actor_id or ctx.actor_instance.actor_id == "client":
         return None
-    import workers.proc as proc_mod
+    from .context import proc_worker
 
-    w = proc_mod.WORKER
+    w = proc_worker()
     if w is None:
         return None
     return (w.work_addr, w.key, ctx.actor_instance.actor_id)
@@ -559,9 +529,9 @@ def _note_owner(aid: str, keys) -> None:
     ctx = _CTX.get()
     if ctx is None:
         return
-    import workers.proc as proc_mod
+    from .context import proc_worker
 
-    worker = proc_mod.WORKER
+    worker = proc_worker()
     if worker is not None:
         worker.owned[aid] = (ctx.actor_instance.actor_id, set(keys))
 

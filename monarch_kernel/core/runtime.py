@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from . import curve, wire
+from . import curve, extensions, wire
 from .errors import ActorError, HostUnreachableError, MeshFailure, SupervisionError
 from .future import _PENDING as _PENDING_STATE
 from .future import Future
@@ -212,7 +212,6 @@ class Runtime:
         self.handlers: dict[str, Callable] = {
             "r": self._on_result, "out": self._on_output, "died": self._on_died,
             "unhandled": self._on_unhandled, "replaced": self._on_replaced, "wake": _ignore,
-            "dbg": _load_debugger,
         }
         self.agent_event_handlers: dict[str, Callable] = {"died": self._on_agent_died}
         self.output: Callable[[int, str, str], None] = _print_output
@@ -625,7 +624,7 @@ class Runtime:
         return bool(self._inbox_wanted) or time.monotonic() - self._inbox_released_at <= 0.001
 
     def _dispatch(self, msg):
-        h = self.handlers.get(msg[0])
+        h = self.handlers.get(msg[0]) or extensions.message_handler(msg[0])
         if h is None:
             log.warning("dropped a message of unknown kind %r", msg[0])
             return
@@ -849,13 +848,6 @@ def ipc_name(what: str) -> str:
 
 def _ignore(msg) -> None:
     pass
-
-
-def _load_debugger(msg) -> None:
-    """A rank paused in breakpoint(): load the controller's debugger, which takes over "dbg"."""
-    from ..debug.registry import registry
-
-    registry().on_message(msg)
 
 
 def _print_output(rank: int, stream: str, text: str) -> None:

@@ -28,6 +28,8 @@ import types
 import cloudpickle
 import zmq
 
+from . import extensions as _extensions
+
 _RCVMORE = int(zmq.RCVMORE)
 
 log = logging.getLogger("monarch_kernel.wire")
@@ -125,15 +127,10 @@ _LOCAL = _LocalReceivers()
 LARGE_TENSOR_BYTES = int(os.environ.get("MONARCH_KERNEL_SHM_TENSOR_BYTES", str(1 << 20)))
 
 
-def _same_host_tensor(tensor, receivers: int):
-    from monarch_kernel.rdma.wirepath import reduce_local
-
-    return reduce_local(tensor, receivers)
-
-
-# (tensor, receivers) -> a pickle reduction, or None for the socket path; off with
-# MONARCH_KERNEL_SHM_TENSORS=0
-LARGE_TENSOR_HOOK = _same_host_tensor if os.environ.get("MONARCH_KERNEL_SHM_TENSORS", "1") != "0" else None
+SHM_TENSORS = os.environ.get("MONARCH_KERNEL_SHM_TENSORS", "1") != "0"
+# (tensor, receivers) -> a pickle reduction, or None for the socket path. Set by the rdma
+# feature through extensions.register_large_tensor_hook (kept None with MONARCH_KERNEL_SHM_TENSORS=0).
+LARGE_TENSOR_HOOK = _extensions.large_tensor_hook() if SHM_TENSORS else None
 
 
 class _FastPickler(pickle.Pickler):

@@ -58,7 +58,7 @@ class DapServer(Actor):
     """On one rank: debugpy for JupyterLab's debugger, and the cell sources it needs."""
 
     def __init__(self):
-        import workers.proc as proc_mod
+        import monarch_kernel.node.proc as proc_mod
 
         w = proc_mod.WORKER
         if w is not None:

@@ -1,6 +1,6 @@
 """Worker side of the distributed debugger: ``breakpoint()`` on a proc talks to the controller.
 
-``install(worker)`` runs once per proc (``workers/proc.py``). It points ``sys.breakpointhook``
+``install(worker)`` runs once per proc (``monarch_kernel/node/proc.py``). It points ``sys.breakpointhook``
 and ``pdb.set_trace`` at ``MeshPdb``, a pdb (pdb++ when installed) whose streams are remote:
 
   * output: ``("dbg", rank, proc_key, "out", text)`` to the controller's sink;
@@ -264,7 +264,7 @@ DEBUGGER: RemoteDebugger | None = None
 def install(worker) -> RemoteDebugger:
     """Route ``breakpoint()`` and ``pdb.set_trace()`` of this proc to the controller."""
     global DEBUGGER
-    from workers import proc as proc_mod
+    from monarch_kernel.node import proc as proc_mod
 
     dbg = DEBUGGER = RemoteDebugger(worker)
 

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     bind = os.environ.get("MONARCH_KERNEL_BIND") or route_ip(ctl_host)
     rank = a.rank if a.rank is not None else rank_from_env()
     report = {"token": a.token, "rank": rank, "host": socket.gethostname(), "node_pid": os.getpid()}
-    args = [sys.executable, "-m", "workers.agent", "--bind", bind, "--persistent", "--lease", str(a.lease),
+    args = [sys.executable, "-m", "monarch_kernel.node.agent", "--bind", bind, "--persistent", "--lease", str(a.lease),
             "--name", f"{a.name}.{rank}"]
     if a.port:
         args += ["--port", str(a.port)]

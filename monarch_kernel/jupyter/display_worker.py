@@ -96,7 +96,7 @@ def _is_figure(obj) -> bool:
 
 
 def send(data: dict, metadata: dict) -> None:
-    import workers.proc as proc_mod
+    import monarch_kernel.node.proc as proc_mod
 
     w = proc_mod.WORKER
     if w is None or w.sink is None:

@@ -90,7 +90,7 @@ class CellCapture:
         self.router.emit(rank, item, self.parent)
 
     def kept_back(self, rank: int, n: int) -> None:
-        """``n`` lines rank ``rank`` did not send (workers/output_limit.py): counted, and
+        """``n`` lines rank ``rank`` did not send (monarch_kernel/node/output_limit.py): counted, and
         said so when the cell ends."""
         with self.lock:
             if self.options.wants(rank):

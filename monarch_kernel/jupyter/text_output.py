@@ -20,7 +20,7 @@ past that are only counted, per rank. Front-end: what is written is a token buck
 (a merged line counts once). Lines not written are counted per rank and the cell says
 where they are: every line a proc prints is also in its log on its host
 (telemetry/logs.py), which ``%mesh logs --ranks R`` reads. A proc also limits what it
-sends (workers/output_limit.py) and reports the lines it kept back; they are counted here.
+sends (monarch_kernel/node/output_limit.py) and reports the lines it kept back; they are counted here.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from .display import rank_ranges
 
 MODES = ("merged", "rank", "order")
-SKIPPED = "skipped"   # workers/output_limit.py: a proc's count of lines it kept back
+SKIPPED = "skipped"   # node/output_limit.py: a proc's count of lines it kept back
 MODE_ALIASES = {"engine": "rank"}   # ipyparallel's name for grouping by rank
 
 

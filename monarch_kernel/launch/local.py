@@ -26,7 +26,7 @@ def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float |
     logs = home() / "logs"
     logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_path = logs / f"{name}.log"
-    args = [python or sys.executable, "-m", "workers.agent", "--bind", bind, "--name", name]
+    args = [python or sys.executable, "-m", "monarch_kernel.node.agent", "--bind", bind, "--name", name]
     if persistent:
         args.append("--persistent")
     else:

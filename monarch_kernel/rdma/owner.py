@@ -89,7 +89,7 @@ class Registry:
 
         key, rank, host = "", None, socket.gethostname()
         try:
-            import workers.proc as proc_mod
+            import monarch_kernel.node.proc as proc_mod
 
             w = proc_mod.WORKER
             if w is not None:
@@ -187,14 +187,14 @@ def existing_registry() -> Registry | None:
 
 
 def query_extra(worker) -> dict:
-    """workers.proc.QUERY_EXTRAS hook: the buffers this proc has registered."""
+    """monarch_kernel.node.proc.QUERY_EXTRAS hook: the buffers this proc has registered."""
     r = existing_registry()
     return {"buffers": r.listing() if r is not None else []}
 
 
 def _install_query_hook() -> None:
     try:
-        import workers.proc as proc_mod
+        import monarch_kernel.node.proc as proc_mod
     except ImportError:
         return
     if query_extra not in proc_mod.QUERY_EXTRAS:

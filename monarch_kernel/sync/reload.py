@@ -158,7 +158,7 @@ class SyncActor(Actor):
 
     @endpoint
     def apply(self, by_agent: dict, reload: bool = True) -> dict:
-        import workers.proc as proc_mod
+        import monarch_kernel.node.proc as proc_mod
 
         worker = proc_mod.WORKER
         info = by_agent.get(worker.agent) if worker is not None else None

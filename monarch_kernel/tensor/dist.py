@@ -183,11 +183,9 @@ def _install_listeners() -> None:
     _listening = True
     rt = runtime()
     rt.death_listeners.append(_on_death)
-    from ..core import mesh as core_mesh
+    from ..core.extensions import register_respawn_hook
 
-    hooks = getattr(core_mesh, "RESPAWN_HOOKS", None)
-    if hooks is not None:
-        hooks.append(_on_respawn)
+    register_respawn_hook(_on_respawn)
 
 
 def _on_death(key: str, err) -> None:

@@ -10,7 +10,7 @@ GROUP: dict = {"generation": 0, "device_mesh": None, "backend": None}
 
 
 def _bind_address() -> str:
-    import workers.proc as proc_mod
+    import monarch_kernel.node.proc as proc_mod
 
     bind = proc_mod.WORKER.work_addr.split("//", 1)[1].rsplit(":", 1)[0]
     return "127.0.0.1" if bind in ("0.0.0.0", "*") else bind

@@ -13,7 +13,7 @@ from monarch_kernel.actor import Actor, SupervisionError, attach_to_workers, end
 class Where(Actor):
     @endpoint
     def addr(self) -> str:
-        import workers.proc as p
+        import monarch_kernel.node.proc as p
 
         return p.WORKER.work_addr.split("//")[1].split(":")[0]
 

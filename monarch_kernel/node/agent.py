@@ -20,7 +20,7 @@ if __name__ == "__main__":
     import subprocess as _sp
     import sys as _sys
 
-    _EARLY_ZYGOTE = _sp.Popen([_sys.executable, "-m", "workers.zygote"], stdin=_sp.PIPE, stdout=_sp.PIPE,
+    _EARLY_ZYGOTE = _sp.Popen([_sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=_sp.PIPE, stdout=_sp.PIPE,
                               env={**_os.environ, "MONARCH_KERNEL_AGENT_PID": str(_os.getpid())})
 else:
     _EARLY_ZYGOTE = None
@@ -104,7 +104,7 @@ class HostAgent:
         self.stopping = False
         self.parent_pid = a.parent_pid
         self.zygote = zygote or subprocess.Popen(
-            [sys.executable, "-m", "workers.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env={**os.environ, "MONARCH_KERNEL_AGENT_PID": str(os.getpid())}, cwd=os.getcwd())
         self.zygote_ready = False
         self.zygote_buf = b""

@@ -22,7 +22,7 @@ def _preload() -> float:
             import torch  # noqa: F401
         except ImportError:
             pass
-    import workers.proc  # noqa: F401  (zmq, cloudpickle, the runtime)
+    import monarch_kernel.node.proc  # noqa: F401  (zmq, cloudpickle, the runtime)
     try:   # ~0.1 s: a rank's display() uses IPython's formatters (jupyter/display_worker.py)
         import IPython.display  # noqa: F401
     except ImportError:
@@ -32,7 +32,7 @@ def _preload() -> float:
 
 
 def main() -> None:
-    from workers.linux import die_with_parent
+    from monarch_kernel.node.linux import die_with_parent
 
     die_with_parent(int(os.environ.get("MONARCH_KERNEL_AGENT_PID", "0")) or None)
     out = os.fdopen(os.dup(1), "w", buffering=1)
@@ -98,10 +98,10 @@ def _child(cfg: dict, zygote_pid: int, out, sig_r: int, sig_w: int) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        from workers.linux import die_with_parent
+        from monarch_kernel.node.linux import die_with_parent
 
         die_with_parent(zygote_pid)
-        from workers import proc
+        from monarch_kernel.node import proc
 
         code = proc.main(cfg)
     except SystemExit as e:

@@ -30,8 +30,8 @@ from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
+from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
 from monarch_kernel.telemetry.worker import ProcTelemetry
-from workers.output_limit import SKIPPED, OutputLimit, skipped_text
 
 
 class ActorSlot:
@@ -612,6 +612,7 @@ def main(cfg: dict) -> int:
         setup_proc(cfg["sync"])
     global WORKER
     WORKER = worker
+    context_mod.set_proc_worker(worker)
     debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
     from monarch_kernel.jupyter.display_worker import use_on_this_rank
 

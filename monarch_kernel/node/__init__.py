@@ -1,0 +1,1 @@
+"""Node side of monarch-kernel: the host agent, its warm zygote, and the proc worker loop."""

@@ -52,7 +52,7 @@ class CellProgress:
         """(ranks that answered, ranks still running, ranks that failed: raised or died)."""
         from ..core.errors import ActorError
         from ..core.runtime import runtime
-        from .cells import CellFailure
+        from ..node.cells import CellFailure
 
         rt = runtime()
         fut, n = self.run.future, len(self.run.ranks)

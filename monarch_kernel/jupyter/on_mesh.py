@@ -26,8 +26,8 @@ from collections.abc import Callable
 from ..core.errors import ActorError, SupervisionError
 from ..core.mesh import ActorMesh, ProcMesh
 from ..core.shape import MeshView, parse_rank_spec
+from ..node.cells import CellFailure
 from .cell_progress import MIN_RANKS, CellProgress
-from .cells import CellFailure
 from .display import CellInterrupted, CellValues, cell_error
 from .text_output import OutputOptions
 

@@ -148,7 +148,7 @@ class MeshSession:
         try:
             self.cells = pm.actor_mesh(CELL_ACTOR)
         except KeyError:
-            from .cells import CellRunner
+            from ..node.cells import CellRunner
 
             self.cells = pm.spawn(CELL_ACTOR, CellRunner, pm)
             # Connected means cells can run: wait for the runner (spawn returns at once), so a

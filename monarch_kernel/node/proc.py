@@ -614,7 +614,7 @@ def main(cfg: dict) -> int:
     WORKER = worker
     context_mod.set_proc_worker(worker)
     debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
-    from monarch_kernel.jupyter.display_worker import use_on_this_rank
+    from monarch_kernel.node.rich_output import use_on_this_rank
 
     use_on_this_rank()   # display() and plt.show() reach the notebook, not the kernel's backend
     sys.stdout, sys.stderr = worker.stdout, worker.stderr

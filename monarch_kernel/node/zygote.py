@@ -23,7 +23,7 @@ def _preload() -> float:
         except ImportError:
             pass
     import monarch_kernel.node.proc  # noqa: F401  (zmq, cloudpickle, the runtime)
-    try:   # ~0.1 s: a rank's display() uses IPython's formatters (jupyter/display_worker.py)
+    try:   # ~0.1 s: a rank's display() uses IPython's formatters (node/rich_output.py)
         import IPython.display  # noqa: F401
     except ImportError:
         pass

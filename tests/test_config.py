@@ -48,6 +48,16 @@ def test_every_variable_the_tree_mentions_is_declared_in_config():
                          + "\n".join(f"{k} ({v})" for k, v in sorted(unknown.items())))
 
 
+def test_config_imports_only_the_standard_library_so_the_core_may_use_it():
+    import ast
+    import sys
+
+    tree = ast.parse((ROOT / "monarch_kernel" / "config.py").read_text())
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert mods <= set(sys.stdlib_module_names) | {"__future__"}, mods
+
+
 def test_no_module_outside_the_core_reads_a_variable_itself():
     """Reads go through config (the core's own reads are switched by its engineer; core/ is
     left out until then)."""

@@ -20,6 +20,7 @@ import zmq
 from . import curve
 from .errors import HostUnreachableError, MeshFailure, SupervisionError
 from .future import Future
+from .host_liveness import LocalAgentWatch
 from .transport import pid_alive
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class AgentLink:
         self.lost_errors: dict[str, SupervisionError] = {}   # procs failed because of the silence
         self.failed_while_lost: list[str] = []   # what failed because of it (calls, requests)
         self.pid: int | None = None   # the agent's pid when it runs on this machine
+        self.os_watch: LocalAgentWatch | None = None   # then: is its silence load? (host_liveness.py)
         self.host = ""
 
     def describe_loss(self, now: float) -> str:
@@ -97,6 +99,7 @@ class AgentLinks:
         link.watched = True
         link.last_seen = time.monotonic()
         link.pid, link.host = pid, host
+        link.os_watch = LocalAgentWatch(pid) if pid else None
 
     def forget(self, addr: str) -> None:
         link = self.links.pop(addr, None)
@@ -150,10 +153,14 @@ class AgentLinks:
                 link.sock.send_multipart(self.rt.pack(link.key, ("req", 0, "hb", (self.rt.address,))), copy=False)
             if link.lost:
                 continue
-            gone = link.pid is not None and now - link.last_seen > HEARTBEAT_S and not pid_alive(link.pid)
+            silent = now - link.last_seen
+            gone = link.pid is not None and silent > HEARTBEAT_S and not pid_alive(link.pid)
+            # A same-machine agent that wants the CPU is starved, not lost (host_liveness.py).
+            load = not gone and silent > HEARTBEAT_S and link.os_watch is not None and \
+                link.os_watch.silence_is_load(now, silent)
             # Silence counts only if we really asked: an I/O thread starved of the GIL (a long
             # pickle on the main thread) sent no heartbeats and must not declare a host lost.
-            if gone or (now - link.last_seen > HOST_TIMEOUT_S and link.unanswered >= 4):
+            if gone or (silent > HOST_TIMEOUT_S and link.unanswered >= 4 and not load):
                 link.lost = True
                 link.lost_since = link.last_seen
                 self._host_lost(link, now - link.last_seen, gone)

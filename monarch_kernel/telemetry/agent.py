@@ -1,14 +1,17 @@
 """The host agent's telemetry: samples, proc events, call and cell records, log search.
 
-The agent is the store of record for its host: it keeps the last ``HISTORY_S`` seconds
+The agent is the store of record for its host: it keeps the last ``MONARCH_KERNEL_TELEMETRY_HISTORY_S`` seconds
 (an hour by default) in memory, so a controller that attaches later, or a kernel that
 restarts, still sees what happened. Nothing is pushed: a controller that looks (a query,
 ``%mesh top``, the Mesh panel) asks ``tel_since(cursor)`` and gets, in one batch per
 host, every row after its cursor. Nobody looking costs nothing but the sampling.
 
 Everything here runs on the agent's single poll-loop thread (``tick`` is called from it,
-``handle`` serves the ``tel_*`` ops), except the log search, which may read gigabytes
-and so runs on a helper thread; its answer is sent from the loop by the next ``tick``.
+``handle`` serves the ``tel_*`` ops), except two helper threads whose results the loop
+picks up at its next ``tick``: the log search (it may read gigabytes) and the sampler.
+Sampling reads several /proc files per proc (smaps for USS): with 64 busy procs on 2
+cores the agent gets a few % of a CPU, and a sample done on the loop kept it from
+answering heartbeats for seconds, so the controller declared a healthy host lost.
 The agent's calls into this module are one line each, so its loop stays readable.
 """
 from __future__ import annotations
@@ -16,18 +19,17 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import queue
 import shutil
 import threading
 import time
 
+from .. import config
 from .logs import log_dir, log_path, search
 from .sampler import ProcSampler
 
 log = logging.getLogger("monarch_kernel.telemetry")
 
-HISTORY_S = float(os.environ.get("MONARCH_KERNEL_TELEMETRY_HISTORY_S", "3600"))
 MAX_ROWS = 200_000          # per table, whatever the history says
 TABLES = ("samples", "proc_events", "calls", "cells")
 
@@ -35,7 +37,7 @@ TABLES = ("samples", "proc_events", "calls", "cells")
 class AgentTelemetry:
     def __init__(self, agent):
         self.agent = agent
-        self.interval = float(os.environ.get("MONARCH_KERNEL_TELEMETRY_S", "1.0"))   # 0: off
+        self.interval = config.TELEMETRY_S.get()   # 0: off
         self.sampler = ProcSampler(agent.host)
         self.seq = itertools.count(1)
         self.tables: dict[str, collections.deque] = {t: collections.deque(maxlen=MAX_ROWS) for t in TABLES}
@@ -43,6 +45,12 @@ class AgentTelemetry:
         self.respawning: set[str] = set()
         self.status: dict[str, dict] = {}   # proc key -> what it reported at the last pull
         self.searches: queue.SimpleQueue = queue.SimpleQueue()   # (ident, req, ok, answer) from helper threads
+        # The sampler thread: takes (procs, mesh ids) jobs, gives back rows; one job at a time.
+        self.sample_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.sample_rows: queue.SimpleQueue = queue.SimpleQueue()
+        self.gone_pids: queue.SimpleQueue = queue.SimpleQueue()   # the sampler forgets them (its dicts)
+        self.sampling = False
+        self.sample_thread: threading.Thread | None = None
         self.log_dir = log_dir(agent.name)
 
     # ------------------------------------------------------------------ called by the agent
@@ -61,7 +69,7 @@ class AgentTelemetry:
         self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, p.pid, event, p.key), p.mesh_id)
 
     def proc_exited(self, p, pid: int, how: str, stopping: bool) -> None:
-        self.sampler.forget(pid)
+        self.gone_pids.put(pid)
         self.status.pop(p.key, None)
         self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, pid,
                                   "stopped" if stopping else "died", how), p.mesh_id)
@@ -73,19 +81,53 @@ class AgentTelemetry:
             except queue.Empty:
                 break
             self.agent.reply(ident, req, ok, answer)
-        if self.interval <= 0 or now < self.next_sample:
-            return
+        while True:
+            try:
+                rows, mesh_ids = self.sample_rows.get_nowait()
+            except queue.Empty:
+                break
+            self.sampling = False
+            for s in rows:
+                self._add("samples", tuple(s), mesh_ids.get(s.pid))
+        if self.interval <= 0 or now < self.next_sample or self.sampling:
+            return   # a sample still running (a starved host) is not queued behind again
         self.next_sample = now + self.interval
         alive = [p for p in self.agent.procs.values() if p.state == "alive" and p.pid]
-        mesh_ids = {p.pid: p.mesh_id for p in alive}
-        for s in self.sampler.sample([(p.mesh_name, p.rank, p.pid) for p in alive]):
-            self._add("samples", tuple(s), mesh_ids.get(s.pid))
+        self._start_sample([(p.mesh_name, p.rank, p.pid) for p in alive], {p.pid: p.mesh_id for p in alive})
         for p in alive:   # the procs send their call records back as a tel_calls op
             self.agent.send(p.ident, ("ev", "tel_pull"))
-        self._expire(time.time() - HISTORY_S)
+        self._expire(time.time() - config.TELEMETRY_HISTORY_S.get())
+
+    def _start_sample(self, procs: list, mesh_ids: dict) -> None:
+        if self.sample_thread is None:
+            self.sample_thread = threading.Thread(target=self._sample_loop, name="telemetry-sampler", daemon=True)
+            self.sample_thread.start()
+        self.sampling = True
+        self.sample_jobs.put((procs, mesh_ids))
+
+    def _sample_loop(self) -> None:
+        """The sampler thread: the only one touching ``self.sampler``."""
+        while True:
+            job = self.sample_jobs.get()
+            if job is None:
+                return
+            while True:
+                try:
+                    self.sampler.forget(self.gone_pids.get_nowait())
+                except queue.Empty:
+                    break
+            procs, mesh_ids = job
+            try:
+                rows = self.sampler.sample(procs)
+            except Exception:
+                log.exception("sampling the procs failed")
+                rows = []
+            self.sample_rows.put((rows, mesh_ids))
 
     def shutdown(self) -> None:
         """A private (non-persistent) mesh's logs go with it; a named mesh's stay."""
+        if self.sample_thread is not None:
+            self.sample_jobs.put(None)
         if not self.agent.persistent:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

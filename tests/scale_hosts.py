@@ -1,0 +1,114 @@
+"""Several hosts on this one machine, each a host agent in its own network namespace (own
+address and hostname on a bridge), for the 256-proc test and ``bench/bench_scale.py``.
+
+    with AgentHosts(8) as hosts:            # agents n1..n8, started and attached to nothing
+        hm = attach_to_workers(hosts.addrs, key=hosts.key)
+        hosts.cut("n8")                     # its link down: a lost host
+        hosts.write_connection_file("scale")   # `%mesh connect scale` in a kernel attaches
+
+``unavailable()`` says why it cannot run here (needs root, iproute2, nsenter, unshare).
+The controller must listen on ``hosts.bridge_ip`` (the agents' procs reply there): the
+class calls ``runtime().listen_on`` for this process; a kernel gets MONARCH_KERNEL_BIND.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from netns_hosts import BridgedHosts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to make network namespaces (one per host)"
+    missing = [t for t in ("ip", "nsenter", "unshare") if not shutil.which(t)]
+    if missing:
+        return f"missing {', '.join(missing)} (iproute2, util-linux)"
+    return None
+
+
+class AgentHosts:
+    def __init__(self, n: int, env: dict | None = None):
+        self.names = [f"n{i + 1}" for i in range(n)]
+        self.net = BridgedHosts(self.names)
+        self.key = secrets.token_bytes(32)
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.addrs: list[str] = []
+        self._dir = tempfile.mkdtemp(prefix="mk-scale-hosts-")
+        self.key_file = os.path.join(self._dir, "key")
+        fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.key.hex())
+
+    @property
+    def bridge_ip(self) -> str:
+        return self.net.bridge_ip
+
+    def __enter__(self) -> AgentHosts:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def open(self) -> None:
+        from monarch_kernel.core.runtime import runtime
+
+        self.net.open()
+        for node in self.names:   # all started at once: each zygote imports torch meanwhile
+            argv = [sys.executable, "-m", "workers.agent", "--bind", self.net.ip[node], "--key-file",
+                    self.key_file, "--name", f"scale-{node}", "--lease", "120"]
+            self.agents[node] = subprocess.Popen(self.net.enter(node, argv), stdout=subprocess.PIPE,
+                                                 stderr=subprocess.DEVNULL, env=self.env, cwd=str(ROOT),
+                                                 text=True)
+        for node in self.names:
+            line = self.agents[node].stdout.readline().strip()
+            if not line.startswith("MONARCH_AGENT_READY "):
+                raise RuntimeError(f"agent on {node} did not start: {line!r}")
+            self.addrs.append(line.split(" ", 1)[1])
+        runtime().listen_on(self.bridge_ip)
+
+    def cut(self, node: str, up: bool = False) -> None:
+        """Take ``node`` off the network (or bring it back)."""
+        self.net.link(node, up=up)
+
+    def write_connection_file(self, name: str) -> None:
+        """A connection file naming every agent, so ``%mesh connect NAME`` attaches to them."""
+        from monarch_kernel.core.connection import connection_path, write_connection_file
+
+        write_connection_file(connection_path(name), {
+            "name": name, "key": self.key.hex(), "persistent": False, "lease": 120,
+            "agents": [{"addr": a, "host": n, "pid": p.pid} for n, a, p in
+                       zip(self.names, self.addrs, self.agents.values())]})
+
+    def close(self) -> None:
+        for node in self.names:
+            self.cut(node, up=True)
+        for p in self.agents.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.agents.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+        self.net.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

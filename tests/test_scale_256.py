@@ -1,0 +1,130 @@
+"""256 procs on this machine as 8 hosts x 32 (issue 11, section 4): each host a host agent
+in its own network namespace (own address and hostname), its 32 procs forked from its warm
+zygote. One bring-up (about a minute on 2 cores), then what a user does at that size:
+spawn, a call to all, a cell through a real kernel, every rank busy for seconds (the hosts
+must not be declared lost for it), a killed proc, a lost host, stop, no orphans.
+
+Marked ``scale`` (``-m "not scale"`` leaves it out); skipped, saying why, without root.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import cloudpickle
+import psutil
+import pytest
+
+from monarch_kernel.actor import Actor, SupervisionError, endpoint
+from monarch_kernel.core.bootstrap import attach_to_workers
+
+sys.path.insert(0, os.path.dirname(__file__))
+import scale_hosts  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = [pytest.mark.scale, pytest.mark.timeout(420)]
+
+HOSTS, PER_HOST = 8, 32
+N = HOSTS * PER_HOST
+
+
+class Rank(Actor):
+    @endpoint
+    def where(self) -> tuple:
+        import socket
+
+        return socket.gethostname(), os.getpid()
+
+    @endpoint
+    def spin(self, seconds: float) -> int:
+        t = time.monotonic()
+        n = 0
+        while time.monotonic() - t < seconds:
+            n += 1
+        return n
+
+    @endpoint
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_256_procs_on_8_hosts_spawn_answer_run_a_cell_survive_load_and_fail_exactly():
+    why = scale_hosts.unavailable()
+    if why:
+        pytest.skip(why)
+    with scale_hosts.AgentHosts(HOSTS) as hosts:
+        hm = None
+        try:
+            _spawn_and_run_a_cell_from_a_kernel(hosts)
+            hm = attach_to_workers(hosts.addrs, key=hosts.key, name="scale256")
+            _exercise(hm, hosts)
+        finally:
+            if hm is not None:
+                hm.shutdown()
+
+
+def _spawn_and_run_a_cell_from_a_kernel(hosts) -> None:
+    """A notebook attaches to the 8 agents (a connection file names them), starts 32
+    procs on each, runs one ``%%on_mesh`` cell on all 256 ranks, and lets go of the mesh."""
+    from kernel_harness import KernelHarness
+
+    hosts.write_connection_file("scale256")
+    k = KernelHarness(env={"MONARCH_KERNEL_HOME": os.environ["MONARCH_KERNEL_HOME"],
+                           "MONARCH_KERNEL_BIND": hosts.bridge_ip})
+    try:
+        t0 = time.monotonic()
+        k.ok(f"%mesh connect scale256 --procs {PER_HOST}", timeout=240)
+        print(f"\n%mesh connect of {N} procs on {HOSTS} hosts: {time.monotonic() - t0:.1f} s")
+        r = k.ok("%%on_mesh\nimport socket\nprint(socket.gethostname())\nrank", timeout=120)
+        for h in range(HOSTS):   # identical lines merged: one line per host, with its ranks
+            lo = h * PER_HOST
+            assert f"[ranks {lo}-{lo + PER_HOST - 1}] n{h + 1}" in r.stdout, r.stdout[:2000]
+        assert "255" in r.result + str(r.data()), r.result[:2000]
+        k.ok("%mesh disconnect", timeout=60)
+    finally:
+        k.close()
+
+
+def _exercise(hm, hosts) -> None:
+    """The same procs from this process (attached after the kernel let go)."""
+    pm = hm.proc_mesh("procs")
+    assert len(pm) == N
+    ranks = pm.spawn("ranks", Rank)
+    where = ranks.where.call().get(120).values()
+    assert len(where) == N and len({pid for _, pid in where}) == N
+    assert [h for h, _ in where] == [f"n{1 + r // PER_HOST}" for r in range(N)]   # rank order = host order
+
+    # Memory per proc: forked from the zygote that imported torch, so most pages are shared.
+    mem = [psutil.Process(pid).memory_full_info() for _, pid in where[::32]]
+    uss_mb = max(m.uss for m in mem) / 2**20
+    print(f"memory per proc: USS {uss_mb:.1f} MB, PSS {max(m.pss for m in mem) / 2**20:.1f} MB, "
+          f"RSS {max(m.rss for m in mem) / 2**20:.0f} MB")
+    assert uss_mb < 64, f"a proc costs {uss_mb:.0f} MB of its own: 256 of them do not fit a small host"
+
+    # Every rank busy for 4 s on 2 cores: agents starve, yet no host is declared lost.
+    spins = ranks.spin.call(4.0).get(120).values()
+    assert len(spins) == N and min(spins) > 0
+
+    # A killed proc fails the call waiting on it within about a second, naming its rank;
+    # the other ranks keep answering.
+    victim = 37
+    fut = ranks.nap.call(4)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(where[victim][1], signal.SIGKILL)
+    with pytest.raises(SupervisionError, match=f"rank {victim}"):
+        fut.get(10)
+    assert time.monotonic() - t0 < 3.0
+    assert len(ranks.slice(hosts=slice(2, 8)).where.call().get(60).values()) == 6 * PER_HOST
+
+    # A lost host (its link cut) fails only its members' calls, within the host bound.
+    fut = ranks.slice(hosts=7).nap.call(30)
+    hosts.cut("n8")
+    t0 = time.monotonic()
+    with pytest.raises(SupervisionError, match="host lost"):
+        fut.get(20)
+    assert time.monotonic() - t0 < 8.0
+    assert len(ranks.slice(hosts=slice(2, 7)).where.call().get(60).values()) == 5 * PER_HOST
+    hosts.cut("n8", up=True)

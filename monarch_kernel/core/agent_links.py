@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Callable
 
 import zmq
 
+from .. import config
 from . import curve
 from .errors import HostUnreachableError, MeshFailure, SupervisionError
 from .future import Future
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("monarch_kernel")
 
-HEARTBEAT_S = float(os.environ.get("MONARCH_KERNEL_HEARTBEAT_S", "0.5"))
-HOST_TIMEOUT_S = float(os.environ.get("MONARCH_KERNEL_HOST_TIMEOUT_S", "3.0"))
+HEARTBEAT_S = config.HEARTBEAT_S.get()
+HOST_TIMEOUT_S = config.HOST_TIMEOUT_S.get()
 
 
 class AgentLink:

@@ -13,6 +13,7 @@ import os
 import threading
 import uuid
 
+from .. import config
 from .connection import (
     agent_alive,
     check_name,
@@ -29,7 +30,7 @@ from .shape import Extent
 
 log = logging.getLogger("monarch_kernel")
 
-DEFAULT_LEASE_S = float(os.environ.get("MONARCH_KERNEL_LEASE_S", "3600"))
+DEFAULT_LEASE_S = config.LEASE_S.get()
 HELLO_TIMEOUT_S = 10.0
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 import zmq
 
+from .. import config
 from . import extensions, wire
 from .agent_links import HEARTBEAT_S, HOST_TIMEOUT_S, AgentLink, AgentLinks
 from .calls import Calls, PendingCall
@@ -49,7 +50,7 @@ class Runtime:
     def __init__(self, bind_host: str | None = None, role: str = "controller"):
         # Loopback unless asked: a controller driving other hosts must bind where their
         # procs can reach it (MONARCH_KERNEL_BIND=10.0.0.5, or the launcher passes it).
-        bind_host = bind_host or os.environ.get("MONARCH_KERNEL_BIND") or "127.0.0.1"
+        bind_host = bind_host or config.BIND.get() or "127.0.0.1"
         self.pid = os.getpid()
         self.role = role
         self.ident = uuid.uuid4().hex[:12]

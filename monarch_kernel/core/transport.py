@@ -15,10 +15,11 @@ from typing import Callable, NamedTuple
 
 import zmq
 
+from .. import config
 from . import curve, wire
 
 # Same-host peers talk over ipc; 0 forces tcp (to measure the tcp path, e.g. with CURVE, on one host).
-SAME_HOST_IPC = os.environ.get("MONARCH_KERNEL_SAME_HOST_IPC", "1") != "0"
+SAME_HOST_IPC = config.SAME_HOST_IPC.get()
 
 
 class ProcRef(NamedTuple):

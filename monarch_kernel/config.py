@@ -248,6 +248,21 @@ SOAK_S = _declare("SOAK_S", "float", 30.0, "seconds the reliability soak test ru
 SOAK_SEED = _declare("SOAK_SEED", "int", 9, "the soak test's random seed", "tests")
 
 
+def problems(*read_by: str) -> list[str]:
+    """The errors of every set variable read by these processes (all when none is named):
+    a process checks its own at start, so a bad value stops it with the variable's name
+    rather than later, halfway through."""
+    bad = []
+    for s in SETTINGS.values():
+        if read_by and s.read_by not in read_by:
+            continue
+        try:
+            s.get()
+        except ConfigError as e:
+            bad.append(str(e))
+    return bad
+
+
 def markdown_table() -> str:
     """The README's table of variables (``python -m monarch_kernel.config`` prints it)."""
     rows = ["| Variable | Type | Default | Read by | Meaning |", "|---|---|---|---|---|"]

@@ -192,6 +192,12 @@ SHM_TENSORS = _declare("SHM_TENSORS", "bool", True, "large tensors between proce
 SHM_TENSOR_BYTES = _declare("SHM_TENSOR_BYTES", "int", 1 << 20, "tensors at least this large go "
                             "through shared memory", "any", minimum=0)
 
+# ------------------------------------------------------------------- fan-out and fan-in
+FANOUT_MIN = _declare("FANOUT_MIN", "int", 4, "members on one host before a call to them goes through "
+                      "its agent, once (0: fan-out off)", "controller", minimum=0)
+FANIN_FLUSH_S = _declare("FANIN_FLUSH_S", "float", 0.002, "seconds an agent holds its procs' replies and "
+                         "output before sending a batch that is not complete", "agent", minimum=0)
+
 # ------------------------------------------------------------------- host agent and procs
 MAX_PROCS = _declare("MAX_PROCS", "int", 0, "most procs one agent runs (0: 8 per core, at least 64)",
                      "agent", minimum=0)

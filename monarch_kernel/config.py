@@ -9,10 +9,11 @@ procs) reads its own environment, inherited at its start. A bad value raises
 ``ConfigError`` (a ``ValueError``) that names the variable, the value, what is expected and
 the default, e.g. ``MONARCH_KERNEL_MAX_PROCS='abc' is not an integer``.
 
-``python -m monarch_kernel.config`` prints the README's table of variables;
+``python -m monarch_kernel.config`` prints the README's table of variables (``--update
+README.md`` writes it there);
 tests/test_config.py checks that the README holds exactly that table and that every
 ``MONARCH_KERNEL_*`` name the tree mentions is declared here. To add a variable: declare
-it below (in its group) and paste the new table into the README.
+it below (in its group) and run ``python -m monarch_kernel.config --update README.md``.
 
 Imports only the standard library, so the core and every process may import it.
 """
@@ -278,5 +279,24 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
-    sys.stdout.write(markdown_table())
+def update_readme(path: str) -> bool:
+    """Put the current table between the README's ``config-table`` markers; True if it changed."""
+    import re
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    new, n = re.subn(r"(<!-- config-table[^>]*-->\n).*?(<!-- /config-table -->)",
+                     lambda m: m.group(1) + markdown_table() + m.group(2), text, flags=re.S)
+    if n != 1:
+        raise SystemExit(f"{path}: no <!-- config-table --> ... <!-- /config-table --> section")
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != text
+
+
+if __name__ == "__main__":   # python -m monarch_kernel.config [--update README.md]
+    if sys.argv[1:2] == ["--update"]:
+        print("updated" if update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md") else "up to date")
+    else:
+        sys.stdout.write(markdown_table())

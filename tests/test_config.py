@@ -42,8 +42,8 @@ def test_every_variable_the_tree_mentions_is_declared_in_config():
             name = m.group(0)[len(config.PREFIX):]
             if name not in config.SETTINGS:
                 unknown.setdefault(m.group(0), f"{f.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
-    assert not unknown, ("declare these in monarch_kernel/config.py (type, default, meaning), then paste "
-                         "`python -m monarch_kernel.config` into the README:\n"
+    assert not unknown, ("declare these in monarch_kernel/config.py (type, default, meaning), then run "
+                         "`python -m monarch_kernel.config --update README.md`:\n"
                          + "\n".join(f"{k} ({v})" for k, v in sorted(unknown.items())))
 
 
@@ -71,7 +71,7 @@ def test_the_readme_table_is_the_one_config_generates():
     m = TABLE.search((ROOT / "README.md").read_text())
     assert m, "README.md has no <!-- config-table --> section"
     assert m.group(1) == config.markdown_table(), \
-        "the README's table of variables is stale: paste `python -m monarch_kernel.config` into it"
+        "the README's table of variables is stale: run `python -m monarch_kernel.config --update README.md`"
     for name in config.SETTINGS:
         assert f"`{config.PREFIX}{name}`" in m.group(1)
 

@@ -108,8 +108,10 @@ def test_an_agent_started_as_python_m_workers_agent_serves_procs():
         procs = hosts.spawn_procs(per_host={"gpus": 1})
         same, has_worker, _ = procs.spawn("where", Where).modules.call_one().get(60)
         assert same and has_worker
-        procs.stop()
-    finally:
-        agent.send_signal(signal.SIGKILL)   # its zygote and procs die with it (PDEATHSIG)
+        hosts.shutdown()
         agent.wait(10)
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGKILL)   # its zygote and procs die with it (PDEATHSIG)
+            agent.wait(10)
         agent.stdout.close()

@@ -30,6 +30,8 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+from monarch_kernel import config  # noqa: E402  (stdlib only)
+
 from .rendezvous import Reporter, route_ip  # noqa: E402  (stdlib only until a Reporter is made)
 
 READY = "MONARCH_AGENT_READY "
@@ -54,13 +56,16 @@ def main(argv=None) -> int:
     p.add_argument("--detach", action="store_true", help="exit once the agent is up; it keeps running")
     a = p.parse_args(argv)
     if a.key_stdin:
-        os.environ["MONARCH_KERNEL_KEY"] = sys.stdin.readline().strip()
-    key_hex = os.environ.get("MONARCH_KERNEL_KEY", "")
+        os.environ[config.KEY.env] = sys.stdin.readline().strip()
+    try:
+        key_hex = config.KEY.get()
+    except config.ConfigError as e:
+        sys.exit(f"monarch_kernel.job.node: {e}")
     if not key_hex:
         sys.exit("monarch_kernel.job.node: no key: set MONARCH_KERNEL_KEY or pass it on stdin with --key-stdin")
     key = bytes.fromhex(key_hex)
     ctl_host = a.report.split("://", 1)[-1].rsplit(":", 1)[0]
-    bind = os.environ.get("MONARCH_KERNEL_BIND") or route_ip(ctl_host)
+    bind = config.BIND.get() or route_ip(ctl_host)
     rank = a.rank if a.rank is not None else rank_from_env()
     report = {"token": a.token, "rank": rank, "host": socket.gethostname(), "node_pid": os.getpid()}
     args = [sys.executable, "-m", "monarch_kernel.node.agent", "--bind", bind, "--persistent", "--lease", str(a.lease),
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
         args += ["--port", str(a.port)]
     err_to = subprocess.PIPE
     if a.detach:
-        logs = os.path.join(os.environ.get("MONARCH_KERNEL_HOME") or os.path.expanduser("~/.monarch_kernel"), "logs")
+        logs = os.path.join(config.HOME.get(), "logs")
         os.makedirs(logs, mode=0o700, exist_ok=True)
         err_to = open(os.path.join(logs, f"{a.name}.{rank}.log"), "ab")
     agent = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_to,

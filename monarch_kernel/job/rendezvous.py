@@ -10,9 +10,10 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import socket
 import time
+
+from monarch_kernel import config
 
 log = logging.getLogger("monarch_kernel.job")
 
@@ -36,7 +37,7 @@ def route_ip(target: str) -> str:
 
 def controller_ip(towards: str) -> str:
     """The address the controller listens on for a job whose hosts sit at ``towards``."""
-    return os.environ.get("MONARCH_KERNEL_BIND") or route_ip(towards)
+    return config.BIND.get() or route_ip(towards)
 
 
 def _sign(key: bytes, body: bytes) -> bytes:

@@ -18,6 +18,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from monarch_kernel import config
+
 from ..core.runtime import runtime
 from .base import JobError, JobGoneError, JobTrait, Progress
 from .rendezvous import Rendezvous, controller_ip
@@ -161,8 +163,8 @@ class SlurmJob(JobTrait):
 
     def _node_address(self) -> str:
         """An address of one of the partition's nodes: the kernel listens where it routes."""
-        if os.environ.get("MONARCH_KERNEL_BIND"):
-            return os.environ["MONARCH_KERNEL_BIND"]
+        if config.BIND.get():
+            return config.BIND.get()
         r = _run(["sinfo", "-h", "-N", "-o", "%o", *([f"--partition={self.partition}"] if self.partition else [])])
         addrs = r.stdout.split() if r.returncode == 0 else []
         if not addrs:   # no such partition: any node will do; sbatch then says what is wrong

@@ -11,10 +11,10 @@ shown become a line of text (transient.py).
 """
 from __future__ import annotations
 
-import os
-
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Type
+
+from monarch_kernel import config
 
 from .. import __version__
 from .session import session
@@ -34,7 +34,7 @@ class MonarchKernel(IPythonKernel):
         super().__init__(**kwargs)
         self._cells_running = 0
         self.shell.extension_manager.load_extension("monarch_kernel")
-        if os.environ.get("MONARCH_KERNEL_PREWARM", "1") != "0":
+        if config.PREWARM.get():
             session().prewarm()
 
     async def execute_request(self, stream, ident, parent):

@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 
+from monarch_kernel import config
+
 from ..core import hosts as hosts_mod
 from ..core.connection import agent_alive, read_connection_file
 from ..core.errors import MeshGoneError
@@ -37,7 +39,7 @@ def default_mesh_name() -> str:
     ``default``: stable across kernel restarts, distinct for two notebooks of one name."""
     path = os.environ.get("JPY_SESSION_NAME", "")
     if not path:
-        return os.environ.get("MONARCH_KERNEL_DEFAULT_MESH", "default")
+        return config.DEFAULT_MESH.get()
     stem = re.sub(r"[^A-Za-z0-9_.-]", "-", os.path.splitext(os.path.basename(path))[0]).strip("-.")
     digest = hashlib.sha1(path.encode()).hexdigest()[:6]
     return f"{(stem or 'nb')[:40]}-{digest}"

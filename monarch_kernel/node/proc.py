@@ -20,6 +20,7 @@ import traceback
 
 import zmq
 
+from monarch_kernel import config
 from monarch_kernel.core import context as context_mod
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.channels import Port, reply_port
@@ -599,9 +600,9 @@ def main(cfg: dict) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["RANK"] = str(cfg["rank"])
     os.environ["LOCAL_RANK"] = str(cfg.get("local_index", 0))
-    os.environ["MONARCH_KERNEL_PROC"] = cfg["proc_key"]
+    os.environ[config.PROC.env] = cfg["proc_key"]
     gpus = _gpu_count()
-    if gpus and "MONARCH_KERNEL_KEEP_CUDA_VISIBLE" not in os.environ:
+    if gpus and not config.KEEP_CUDA_VISIBLE.get():
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.get("local_index", 0) % gpus)
     rt = Runtime(bind_host=cfg["bind"], role="proc")
     install_runtime(rt)

@@ -27,6 +27,7 @@ from .agent_links import HEARTBEAT_S, HOST_TIMEOUT_S, AgentLink, AgentLinks
 from .calls import Calls, PendingCall
 from .future import Future
 from .inbox import Inbox
+from .messages import Died, Output, Replaced, Reply, Unhandled, Wake
 from .transport import (
     SAME_HOST_IPC,
     ProcRef,
@@ -76,9 +77,9 @@ class Runtime:
         self.agent_event_handlers = self._agents.event_handlers
         self.procs: dict[str, tuple[ProcRef, bytes]] = {}   # every proc this process knows
         self.mesh_states: dict = {}   # proc mesh id -> ProcMeshState known here
-        self.handlers: dict[str, Callable] = {
-            "r": calls.on_result, "out": self._on_output, "died": self._on_died,
-            "unhandled": self._on_unhandled, "replaced": self._on_replaced, "wake": _ignore,
+        self.handlers: dict[str, Callable] = {   # the core's kinds (messages.py names them all)
+            Reply.KIND: calls.on_result, Output.KIND: self._on_output, Died.KIND: self._on_died,
+            Unhandled.KIND: self._on_unhandled, Replaced.KIND: self._on_replaced, Wake.KIND: _ignore,
         }
         self.output: Callable[[int, str, str], None] = _print_output
         self.replace_listeners: list[Callable[[str, ProcRef], None]] = []
@@ -122,28 +123,27 @@ class Runtime:
             log.exception("handler for %r failed", msg[0])
 
     def _on_output(self, msg):
-        _, rank, stream, text = msg
-        self.output(rank, stream, text)
+        m = Output.of(msg)
+        self.output(m.rank, m.stream, m.text)
 
     def _on_died(self, msg):
-        _, key, failure = msg
-        self.proc_failed(key, failure)
+        m = Died.of(msg)
+        self.proc_failed(m.key, m.failure)
 
     def _on_replaced(self, msg):
-        _, old_key, ref, key = msg
-        self.register_procs([ref], key)
+        m = Replaced.of(msg)
+        self.register_procs([m.ref], m.mesh_key)
         for fn in list(self.replace_listeners):
-            fn(old_key, ref)
+            fn(m.old_key, m.ref)
 
     def _on_unhandled(self, msg):
         from .supervision import deliver_unhandled, failure_of
 
-        err = msg[1]
-        deliver_unhandled(failure_of(err), err, seen=len(msg) > 2 and bool(msg[2]),
-                          mesh_id=msg[3] if len(msg) > 3 else None)
+        m = Unhandled.of(msg)
+        deliver_unhandled(failure_of(m.error), m.error, seen=bool(m.seen), mesh_id=m.mesh_id)
 
     def _wake_self(self) -> None:
-        self.send(self.address, self.keyring.any_key(), ("wake",))
+        self.send(self.address, self.keyring.any_key(), Wake.make())
 
     # ----------------------------------------------------------------- procs and peers
     def register_procs(self, refs, key: bytes) -> None:

@@ -102,7 +102,7 @@ class Runtime:
     def _install(table: dict, what: str, kind: str, handler: Callable, replace: bool) -> None:
         have = table.get(kind)
         if have is not None and have != handler and not replace:
-            extensions._refuse(what, kind, have)
+            extensions.refuse_duplicate(what, kind, have)
         table[kind] = handler
 
     def once(self, what: str) -> bool:

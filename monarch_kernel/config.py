@@ -9,10 +9,11 @@ procs) reads its own environment, inherited at its start. A bad value raises
 ``ConfigError`` (a ``ValueError``) that names the variable, the value, what is expected and
 the default, e.g. ``MONARCH_KERNEL_MAX_PROCS='abc' is not an integer``.
 
-``python -m monarch_kernel.config`` prints the README's table of variables;
+``python -m monarch_kernel.config`` prints the README's table of variables (``--update
+README.md`` writes it there);
 tests/test_config.py checks that the README holds exactly that table and that every
 ``MONARCH_KERNEL_*`` name the tree mentions is declared here. To add a variable: declare
-it below (in its group) and paste the new table into the README.
+it below (in its group) and run ``python -m monarch_kernel.config --update README.md``.
 
 Imports only the standard library, so the core and every process may import it.
 """
@@ -192,6 +193,12 @@ SHM_TENSORS = _declare("SHM_TENSORS", "bool", True, "large tensors between proce
 SHM_TENSOR_BYTES = _declare("SHM_TENSOR_BYTES", "int", 1 << 20, "tensors at least this large go "
                             "through shared memory", "any", minimum=0)
 
+# ------------------------------------------------------------------- fan-out and fan-in
+FANOUT_MIN = _declare("FANOUT_MIN", "int", 4, "members on one host before a call to them goes through "
+                      "its agent, once (0: fan-out off)", "controller", minimum=0)
+FANIN_FLUSH_S = _declare("FANIN_FLUSH_S", "float", 0.002, "seconds an agent holds its procs' replies and "
+                         "output before sending a batch that is not complete", "agent", minimum=0)
+
 # ------------------------------------------------------------------- host agent and procs
 MAX_PROCS = _declare("MAX_PROCS", "int", 0, "most procs one agent runs (0: 8 per core, at least 64)",
                      "agent", minimum=0)
@@ -248,6 +255,21 @@ SOAK_S = _declare("SOAK_S", "float", 30.0, "seconds the reliability soak test ru
 SOAK_SEED = _declare("SOAK_SEED", "int", 9, "the soak test's random seed", "tests")
 
 
+def problems(*read_by: str) -> list[str]:
+    """The errors of every set variable read by these processes (all when none is named):
+    a process checks its own at start, so a bad value stops it with the variable's name
+    rather than later, halfway through."""
+    bad = []
+    for s in SETTINGS.values():
+        if read_by and s.read_by not in read_by:
+            continue
+        try:
+            s.get()
+        except ConfigError as e:
+            bad.append(str(e))
+    return bad
+
+
 def markdown_table() -> str:
     """The README's table of variables (``python -m monarch_kernel.config`` prints it)."""
     rows = ["| Variable | Type | Default | Read by | Meaning |", "|---|---|---|---|---|"]
@@ -257,5 +279,24 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
-    sys.stdout.write(markdown_table())
+def update_readme(path: str) -> bool:
+    """Put the current table between the README's ``config-table`` markers; True if it changed."""
+    import re
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    new, n = re.subn(r"(<!-- config-table[^>]*-->\n).*?(<!-- /config-table -->)",
+                     lambda m: m.group(1) + markdown_table() + m.group(2), text, flags=re.S)
+    if n != 1:
+        raise SystemExit(f"{path}: no <!-- config-table --> ... <!-- /config-table --> section")
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != text
+
+
+if __name__ == "__main__":   # python -m monarch_kernel.config [--update README.md]
+    if sys.argv[1:2] == ["--update"]:
+        print("updated" if update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md") else "up to date")
+    else:
+        sys.stdout.write(markdown_table())

@@ -4,7 +4,6 @@ bad value is an error naming the variable, and values are read when used."""
 from __future__ import annotations
 
 import re
-import signal
 import uuid
 from pathlib import Path
 
@@ -43,8 +42,8 @@ def test_every_variable_the_tree_mentions_is_declared_in_config():
             name = m.group(0)[len(config.PREFIX):]
             if name not in config.SETTINGS:
                 unknown.setdefault(m.group(0), f"{f.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
-    assert not unknown, ("declare these in monarch_kernel/config.py (type, default, meaning), then paste "
-                         "`python -m monarch_kernel.config` into the README:\n"
+    assert not unknown, ("declare these in monarch_kernel/config.py (type, default, meaning), then run "
+                         "`python -m monarch_kernel.config --update README.md`:\n"
                          + "\n".join(f"{k} ({v})" for k, v in sorted(unknown.items())))
 
 
@@ -72,7 +71,7 @@ def test_the_readme_table_is_the_one_config_generates():
     m = TABLE.search((ROOT / "README.md").read_text())
     assert m, "README.md has no <!-- config-table --> section"
     assert m.group(1) == config.markdown_table(), \
-        "the README's table of variables is stale: paste `python -m monarch_kernel.config` into it"
+        "the README's table of variables is stale: run `python -m monarch_kernel.config --update README.md`"
     for name in config.SETTINGS:
         assert f"`{config.PREFIX}{name}`" in m.group(1)
 
@@ -108,20 +107,15 @@ def test_values_are_read_when_used_not_at_import(monkeypatch):
     assert OutputBudget().rate == 12.5 and OutputBudget(rate=3).rate == 3
 
 
-def test_a_bad_value_on_an_agent_fails_the_spawn_with_its_name_and_the_agent_stays_up():
-    from monarch_kernel.actor import attach_to_workers
+def test_an_agent_refuses_to_start_on_a_bad_value_and_says_which():
+    """Checked at the agent's start (its procs inherit its environment), not halfway
+    through a spawn; the launcher's error carries the agent's last words."""
+    from monarch_kernel.core.errors import MeshGoneError
     from monarch_kernel.launch.local import start_local_agent
 
-    key = new_key()
-    info, agent = start_local_agent(key, name=f"bad-env-{uuid.uuid4().hex[:6]}", persistent=False,
-                                    env={"MONARCH_KERNEL_MAX_PROCS": "abc"})
-    try:
-        hosts = attach_to_workers([info["addr"]], key, name="bad-env")
-        with pytest.raises(Exception, match=r"MONARCH_KERNEL_MAX_PROCS='abc' is not an integer"):
-            hosts.spawn_procs(per_host={"gpus": 1})
-        assert agent.poll() is None   # the agent answered the error and keeps serving
-        hosts.shutdown()
-    finally:
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGKILL)
-        agent.wait(10)
+    for env, said in (({"MONARCH_KERNEL_MAX_PROCS": "abc"}, "MONARCH_KERNEL_MAX_PROCS='abc' is not an integer"),
+                      ({"MONARCH_KERNEL_PROC_OUTPUT_RATE": "fast"},   # read by each proc
+                       "MONARCH_KERNEL_PROC_OUTPUT_RATE='fast' is not a number")):
+        with pytest.raises(MeshGoneError, match=r"exited at start \(code 1\): workers.agent: cannot start: "
+                                                + re.escape(said)):
+            start_local_agent(new_key(), name=f"bad-env-{uuid.uuid4().hex[:6]}", persistent=False, env=env)

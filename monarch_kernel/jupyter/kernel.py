@@ -34,7 +34,12 @@ class MonarchKernel(IPythonKernel):
         super().__init__(**kwargs)
         self._cells_running = 0
         self.shell.extension_manager.load_extension("monarch_kernel")
-        if config.PREWARM.get():
+        try:
+            prewarm = config.PREWARM.get()
+        except config.ConfigError as e:   # the kernel still starts; %mesh connect works without it
+            self.log.warning("not starting the default mesh's agent ahead of time: %s", e)
+            prewarm = False
+        if prewarm:
             session().prewarm()
 
     async def execute_request(self, stream, ident, parent):

@@ -622,6 +622,9 @@ def main(argv=None):
     p.add_argument("--conn-file", help="connection file to write once listening (0600) and remove on exit")
     p.add_argument("--parent-pid", type=int, default=0, help="die with this parent (non-persistent)")
     a = p.parse_args(argv)
+    bad = config.problems("agent", "proc", "any")   # its procs inherit its environment
+    if bad:
+        sys.exit("workers.agent: cannot start: " + " ".join(bad))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     if not a.persistent and a.lease is None:
         a.lease = 30.0  # a non-persistent agent nobody attaches to does not wait forever

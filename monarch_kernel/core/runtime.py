@@ -70,7 +70,7 @@ class Runtime:
         self.learn_contact = transport.learn_contact
         self.new_call, self.abandon, self.proc_failed = calls.new_call, calls.abandon, calls.proc_failed
         self.pending_of, self.answered_so_far = calls.pending_of, calls.answered_so_far
-        self.raise_unhandled = calls.raise_unhandled
+        self.raise_unhandled, self.has_unhandled = calls.raise_unhandled, calls.has_unhandled
         self.wait_for, self.call_in_io = inbox.wait_for, inbox.call_in_io
         self.outstanding, self.dead, self.death_listeners = calls.outstanding, calls.dead, calls.death_listeners
         self.agents, self.outages = self._agents.links, self._agents.outages
@@ -179,9 +179,6 @@ class Runtime:
         return addr
 
     # ----------------------------------------------------------------- unhandled failures
-    def has_unhandled(self) -> bool:
-        return self.calls.has_unhandled()
-
     def queue_unhandled(self, err: BaseException) -> None:
         self.calls.queue_unhandled(err)
 

@@ -13,6 +13,7 @@ import os
 import threading
 import uuid
 
+from . import fanout
 from .connection import (
     agent_alive,
     check_name,
@@ -63,6 +64,7 @@ class HostMesh:
         for a, info in zip(agents, self._infos):
             local = info.get("pid_space") and info.get("pid_space") == pid_space()
             rt.watch_agent(a["addr"], key, info.get("pid") if local else None, info.get("host", ""))
+            fanout.learn_agent(rt, info.get("addr") or a["addr"], info)   # its procs' ProcRef.agent
         rt.agent_event_handlers.setdefault(
             "superseded", lambda link, by: log.warning("another controller (%s) attached to %s; this one "
                                                        "no longer receives its events", by, link.addr))

@@ -1,0 +1,89 @@
+"""The controller's half of fan-out and fan-in (issue 11, section 2): O(hosts) sends.
+
+A message for the members of a mesh (a call, a spawn, a broadcast) is signed once. Members
+on a host with at least ``FANOUT_MIN`` of them get it through that host's agent: one send
+of a small signed envelope plus the message's frames to the agent's fan inbox, which
+pushes the frames to each proc (node/fanout.py). Their replies, and the output they write
+meanwhile, come back in one batch per host (``"rb"``), each reply still signed by its proc
+and opened here as if it had come directly. Members on hosts below the threshold, and
+point-to-point calls (``call_one``, a single-rank slice), keep the one-hop path.
+
+``MONARCH_KERNEL_FANOUT_MIN`` (default 4): members on one host before its agent forwards;
+0 turns fan-out off. Failures are unchanged: a dead proc or a lost host fails its members
+from the agent's events and the host heartbeat, as on the direct path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import wire
+
+log = logging.getLogger("monarch_kernel")
+
+FANOUT_MIN = int(os.environ.get("MONARCH_KERNEL_FANOUT_MIN", "4"))
+FAN_PREFIX = "fan+"   # marks a fanned call's reply_to (node/fanout.py reads it)
+
+_routes: dict[str, str] = {}   # agent address -> its fan inbox (tcp; ipc alias in the runtime)
+_pid = [0]
+
+
+def learn_agent(rt, agent_addr: str, info: dict) -> None:
+    """From an agent's hello answer: where its fan inbox is (agents without one: direct)."""
+    fan = info.get("fan")
+    if _pid[0] != os.getpid():   # a forked child starts with no routes
+        _routes.clear()
+        _pid[0] = os.getpid()
+    if not fan:
+        _routes.pop(agent_addr, None)
+        return
+    _routes[agent_addr] = rt.learn_contact(list(fan))
+    if "rb" not in rt.handlers:
+        rt.handlers["rb"] = lambda msg: _on_batch(rt, msg)
+
+
+def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
+    """Send ``msg`` to every proc of ``refs``; ``msg[reply_at]`` is its reply address and
+    ``msg[reply_at + 1]`` its call id (0: no reply). Raises what packing raises, before
+    anything is sent."""
+    groups: dict[str, list] = {}
+    direct = refs
+    call_id = msg[reply_at + 1]
+    if FANOUT_MIN and len(refs) >= FANOUT_MIN and _routes and type(call_id) is int and _pid[0] == os.getpid():
+        direct = []
+        for r in refs:
+            groups.setdefault(r.agent, []).append(r)
+        for agent in list(groups):
+            if len(groups[agent]) < FANOUT_MIN or agent not in _routes:
+                direct.extend(groups.pop(agent))
+    dests = [r.work for r in refs]
+    inner = None
+    if groups:
+        fanned = (*msg[:reply_at], FAN_PREFIX + msg[reply_at], *msg[reply_at + 1:])
+        inner = rt.pack(key, fanned, dests)
+    frames = rt.pack(key, msg, dests) if direct else None
+    if inner is not None:
+        for agent, members in groups.items():
+            env = rt.keyring.sign(key, wire.dumps(("fan", [r.key for r in members], rt.contact, call_id)))
+            rt.send_frames(_routes[agent], [*env, *inner])
+    for r in direct:
+        rt.send_frames(r.work, frames)
+
+
+def _on_batch(rt, msg) -> None:
+    """One host's replies and output: open each proc's message and handle it."""
+    _, counts, frames = msg
+    opener, dispatch = rt.keyring.open, rt.handlers.get
+    i = 0
+    for n in counts:
+        inner = opener(frames[i:i + n], "inbox")
+        i += n
+        if inner is not None and type(inner) is tuple:
+            h = dispatch(inner[0])
+            if h is None:
+                log.warning("dropped a batched message of unknown kind %r", inner[0])
+                continue
+            try:
+                h(inner)
+            except Exception:
+                log.exception("handler for %r failed", inner[0])

@@ -4,8 +4,8 @@ A message for the members of a mesh (a call, a spawn, a broadcast) is signed onc
 on a host with at least ``FANOUT_MIN`` of them get it through that host's agent: one send
 of a small signed envelope plus the message's frames to the agent's fan inbox, which
 pushes the frames to each proc (node/fanout.py). Their replies, and the output they write
-meanwhile, come back in one batch per host (``"rb"``), each reply still signed by its proc
-and opened here as if it had come directly. Members on hosts below the threshold, and
+meanwhile, come back in one batch per host (``"rb"``): one signature checked here for the
+batch (the agent checked each proc's), and only the values unpickled. Members on hosts below the threshold, and
 point-to-point calls (``call_one``, a single-rank slice), keep the one-hop path.
 
 ``MONARCH_KERNEL_FANOUT_MIN`` (default 4): members on one host before its agent forwards;
@@ -18,6 +18,7 @@ import logging
 import os
 
 from . import wire
+from .errors import ActorError
 
 log = logging.getLogger("monarch_kernel")
 
@@ -70,20 +71,37 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
         rt.send_frames(r.work, frames)
 
 
+_NONE = wire.dumps(None)[0]
+
+
 def _on_batch(rt, msg) -> None:
-    """One host's replies and output: open each proc's message and handle it."""
-    _, counts, frames = msg
-    opener, dispatch = rt.keyring.open, rt.handlers.get
+    """One host's replies and output, in the order its procs sent them (the agent checked
+    each proc's signature; this batch's was checked on arrival): only values are unpickled."""
+    _, items, buffers = msg
+    on_result, handlers = rt.handlers["r"], rt.handlers
     i = 0
-    for n in counts:
-        inner = opener(frames[i:i + n], "inbox")
-        i += n
-        if inner is not None and type(inner) is tuple:
-            h = dispatch(inner[0])
+    for item in items:
+        kind = item[0]
+        if kind == "r":
+            _, call_id, key, ok, vheader, n = item
+            if vheader == _NONE:
+                value = None
+            else:
+                try:
+                    value = wire.loads(vheader, buffers[i:i + n])
+                except Exception as e:
+                    ok, value = False, ActorError(
+                        f"the result could not be unpickled here: {e!r}. Return plain data, or make its "
+                        "module importable on this side", exc_type=type(e).__name__)
+            i += n
+            item = ("r", call_id, key, ok, value)
+            h = on_result
+        else:
+            h = handlers.get(kind)
             if h is None:
-                log.warning("dropped a batched message of unknown kind %r", inner[0])
+                log.warning("dropped a batched message of unknown kind %r", kind)
                 continue
-            try:
-                h(inner)
-            except Exception:
-                log.exception("handler for %r failed", inner[0])
+        try:
+            h(item)
+        except Exception:
+            log.exception("handler for %r failed", kind)

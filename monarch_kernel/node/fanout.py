@@ -9,13 +9,17 @@ agent adds no trust, only saves the controller N-1 sends.
 
 Fan-in. A fanned call carries ``reply_to = "fan+" + controller address``. Its procs send
 the reply, and the output written while they run it, to the agent's *gather inbox* (ipc),
-each message prefixed with a routing frame ``dest \\0 call id``. The agent holds them per
-destination and sends one batch ``("rb", frame counts, the procs' signed frames)`` when
-every member of a call on this host has answered, or ``FLUSH_S`` after the first one
-waiting (output, slow members). The controller opens each reply as if it came directly
-(its signature, replay stamp and tensors untouched), so a batch costs it one receive.
-A proc's output and reply leave on the same socket, in order, and the agent keeps that
-order in the batch. Before a proc's death is reported, what it sent is flushed.
+each message prefixed with a routing frame ``dest \\0 call id``. A fanned reply is
+``("rv", call id, proc key, ok, value header, value buffers)``: the value pickled on its
+own, so the agent checks the proc's signature and replay stamp and reads the small tuple
+without ever unpickling a user's object (its class may not even import here). The agent
+holds the items per destination and sends one signed batch ``("rb", items, buffers)``
+when every member of a call on this host has answered, or ``FLUSH_S`` after the first one
+waiting (output, slow members). The controller checks one signature per batch and
+unpickles only the values: per member a few microseconds instead of a receive, a MAC
+check and a full message. A proc's output and reply leave on the same socket, in order,
+and the agent keeps that order in the batch. Before a proc's death is reported, what it
+sent is flushed.
 
 Everything runs on the agent's poll-loop thread; ``sockets()`` are polled by it.
 """
@@ -38,11 +42,11 @@ MAX_HELD = 4096   # messages held for one destination before a batch goes regard
 
 
 class _Held:
-    __slots__ = ("frames", "counts", "since", "sock")
+    __slots__ = ("items", "buffers", "since", "sock")
 
     def __init__(self, sock):
-        self.frames: list = []
-        self.counts: list[int] = []
+        self.items: list = []
+        self.buffers: list = []
         self.since = 0.0
         self.sock = sock
 
@@ -91,20 +95,20 @@ class FanRelay:
 
     def timeout_ms(self, default: int) -> int:
         """How long the agent's poll may sleep: less while a batch waits to be flushed."""
-        if not any(h.counts for h in self.held.values()):
+        if not any(h.items for h in self.held.values()):
             return default
         return 1
 
     def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for dest, h in self.held.items():
-            if h.counts and now - h.since >= FLUSH_S:
+            if h.items and now - h.since >= FLUSH_S:
                 self._flush(dest, h)
 
     def flush_all(self) -> None:
         """Before a death is reported: what the dead proc sent must arrive first."""
         for dest, h in self.held.items():
-            if h.counts:
+            if h.items:
                 self._flush(dest, h)
 
     def forget_proc(self, p) -> None:
@@ -166,6 +170,9 @@ class FanRelay:
                 break
             if len(frames) < 2:
                 continue
+            msg = self.agent.keyring.open(frames[1:], "gather inbox")
+            if type(msg) is not tuple or not msg:
+                continue
             dest, _, call = bytes(frames[0].buffer).decode(errors="replace").partition("\0")
             h = self.held.get(dest)
             if h is None:
@@ -173,10 +180,14 @@ class FanRelay:
                 if contact is None:
                     continue   # nobody asked us to gather for it: not ours to forward
                 h = self.held[dest] = _Held(self._connect(contact))
-            if not h.counts:
+            if not h.items:
                 h.since = time.monotonic()
-            h.frames.extend(frames[1:])
-            h.counts.append(len(frames) - 1)
+            if msg[0] == "rv" and len(msg) == 6:
+                _, call_id, key, ok, vheader, vbufs = msg
+                h.items.append(("r", call_id, key, ok, vheader, len(vbufs)))
+                h.buffers.extend(vbufs)
+            else:
+                h.items.append(msg)   # output, as the proc wrote it
             if call:
                 k = (dest, int(call))
                 left = self.expected.get(k, 0) - 1
@@ -185,7 +196,7 @@ class FanRelay:
                     done.add(dest)
                 else:
                     self.expected[k] = left
-            if len(h.counts) >= MAX_HELD:
+            if len(h.items) >= MAX_HELD:
                 done.add(dest)
         for dest in done:
             self._flush(dest, self.held[dest])
@@ -203,15 +214,14 @@ class FanRelay:
 
     def _flush(self, dest: str, h: _Held) -> None:
         agent = self.agent
-        # The procs' frames ride as out-of-band buffers of one signed message (zero copy);
-        # the controller opens each proc's message from them, signature and all.
+        # Values' buffers (tensors) ride out of band, zero copy, as they came.
         batch = agent.keyring.sign(agent.key, wire.dumps(
-            ("rb", h.counts, [pickle.PickleBuffer(f.buffer) for f in h.frames])))
+            ("rb", h.items, [pickle.PickleBuffer(b) for b in h.buffers])))
         try:
             h.sock.send_multipart(batch, copy=False)
         except zmq.ZMQError as e:
-            log.warning("could not send a batch of %d to %s: %s", len(h.counts), dest, e)
-        h.frames, h.counts = [], []
+            log.warning("could not send a batch of %d to %s: %s", len(h.items), dest, e)
+        h.items, h.buffers = [], []
 
 
 # -------------------------------------------------------------------- the proc's side
@@ -225,13 +235,23 @@ def real_address(reply_to):
     return reply_to
 
 
-def send_reply(rt, gather: str | None, reply_to: str, call_id, frames: list) -> None:
-    """A proc's reply: through its agent's gather inbox for a fanned call, else direct."""
-    if gather and type(reply_to) is str and reply_to.startswith(FAN_PREFIX):
-        dest = reply_to[len(FAN_PREFIX):]
-        rt.send_frames(gather, [f"{dest}\0{call_id}".encode(), *frames])
-    else:
-        rt.send_frames(real_address(reply_to), frames)
+def fanned(gather: str | None, reply_to) -> bool:
+    return bool(gather) and type(reply_to) is str and reply_to.startswith(FAN_PREFIX)
+
+
+def send_fanned_reply(rt, gather: str, key: bytes, reply_to: str, call_id: int, proc_key: str, ok: bool,
+                      value, unsendable) -> None:
+    """A fanned call's reply, through the agent: the value pickled apart (see the module
+    docstring). ``unsendable(error)``: the ActorError to send when the value won't pickle."""
+    from monarch_kernel.core.runtime import is_local
+
+    dest = reply_to[len(FAN_PREFIX):]
+    try:
+        vframes = wire.dumps(value, 1 if is_local(dest) else 0)
+    except Exception as e:
+        ok, vframes = False, wire.dumps(unsendable(e))
+    msg = ("rv", call_id, proc_key, ok, vframes[0], [pickle.PickleBuffer(b) for b in vframes[1:]])
+    rt.send_frames(gather, [f"{dest}\0{call_id}".encode(), *rt.pack(key, msg)])
 
 
 def output_route(gather: str | None, busy_call, sink_addr: str) -> bytes | None:

@@ -526,13 +526,20 @@ class ProcWorker:
             if not ok and self.sink is not None:
                 self.rt.send(self.sink[0], self.sink[1], ("unhandled", value))
             return
+        if fanout.fanned(self.gather, reply_to):   # back through the agent, batched per host
+            fanout.send_fanned_reply(self.rt, self.gather, self.key, reply_to, call_id, self.proc_key, ok, value,
+                                     lambda e: self._unsendable(value, e))
+            return
+        reply_to = fanout.real_address(reply_to)
         try:
-            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, ok, value), (fanout.real_address(reply_to),))
+            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, ok, value), (reply_to,))
         except Exception as e:
-            err = ActorError(f"the result ({type(value).__name__}) could not be sent back: {e}",
-                             rank=self.rank, host=self.host, exc_type="PicklingError")
-            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, False, err))
-        fanout.send_reply(self.rt, self.gather, reply_to, call_id, frames)
+            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, False, self._unsendable(value, e)))
+        self.rt.send_frames(reply_to, frames)
+
+    def _unsendable(self, value, e: BaseException) -> ActorError:
+        return ActorError(f"the result ({type(value).__name__}) could not be sent back: {e}",
+                          rank=self.rank, host=self.host, exc_type="PicklingError")
 
     def _error(self, e: BaseException, where: str) -> ActorError:
         debugger.post_mortem(e)   # stops here first when `%mesh debug --post-mortem on`

@@ -82,7 +82,6 @@ def timed_calls(fn, iters: int) -> list[float]:
 
 
 def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None:
-    from monarch_kernel.core import fanout
     from monarch_kernel.core.runtime import runtime
 
     per_host = per_host or n
@@ -92,13 +91,13 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None
     actors.noop.call().get(600)
     emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=hosts)
     iters = iters_for(n)
-    fan_min = fanout.FANOUT_MIN or 4
+    fan_min = os.environ.get("MONARCH_KERNEL_FANOUT_MIN")
     try:
         for _ in range(5):
             actors.noop.call().get()
         for rnd in range(2):   # alternate: fan-out on, off, on, off (same run, same load)
             for fan in (True, False):
-                fanout.FANOUT_MIN = fan_min if fan else 0
+                os.environ["MONARCH_KERNEL_FANOUT_MIN"] = (fan_min or "4") if fan else "0"
                 tag = {"n": n, "hosts": hosts, "fanout": fan, "round": rnd}
                 cpu0 = time.process_time()
                 s = timed_calls(lambda: actors.noop.call().get(), iters)
@@ -124,7 +123,10 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None
                 assert len(seen) == n * k, (len(seen), n * k)
                 emit("output_line_per_rank_p50_us", pct(s, 0.5) * 1e6, "us", iters=k, **tag)
     finally:
-        fanout.FANOUT_MIN = fan_min
+        if fan_min is None:
+            os.environ.pop("MONARCH_KERNEL_FANOUT_MIN", None)
+        else:
+            os.environ["MONARCH_KERNEL_FANOUT_MIN"] = fan_min
         procs.stop()
 
 

@@ -14,8 +14,8 @@ import cloudpickle
 import pytest
 import torch
 
+from monarch_kernel import config
 from monarch_kernel.actor import Actor, SupervisionError, current_rank, endpoint, this_host
-from monarch_kernel.core import fanout
 from monarch_kernel.core.runtime import runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -64,7 +64,7 @@ class _SendCounter:
 
 
 def test_a_call_to_8_procs_of_one_host_is_one_send_from_the_controller(members, monkeypatch):
-    assert fanout.FANOUT_MIN <= 8
+    assert config.FANOUT_MIN.get() <= 8
     refs = members._state.proc_state.procs
     sends = _SendCounter(monkeypatch)
     assert members.say.call(1).get(30).values() == [10 + r for r in range(8)]

@@ -49,6 +49,8 @@ def _upward(mod: str) -> bool:
         return True
     if top != "monarch_kernel":
         return False
+    if mod == "monarch_kernel.config":   # a leaf below the core: the standard library only (test_config)
+        return False
     return not (mod == "monarch_kernel.core" or mod.startswith("monarch_kernel.core."))
 
 

@@ -1,7 +1,7 @@
 """The controller's half of fan-out and fan-in (issue 11, section 2): O(hosts) sends.
 
 A message for the members of a mesh (a call, a spawn, a broadcast) is signed once. Members
-on a host with at least ``FANOUT_MIN`` of them get it through that host's agent: one send
+on a host with at least ``MONARCH_KERNEL_FANOUT_MIN`` of them get it through that host's agent: one send
 of a small signed envelope plus the message's frames to the agent's fan inbox, which
 pushes the frames to each proc (node/fanout.py). Their replies, and the output they write
 meanwhile, come back in one batch per host (``"rb"``): one signature checked here for the
@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import os
 
+from .. import config
 from . import wire
 from .errors import ActorError
 
 log = logging.getLogger("monarch_kernel")
 
-FANOUT_MIN = int(os.environ.get("MONARCH_KERNEL_FANOUT_MIN", "4"))
 FAN_PREFIX = "fan+"   # marks a fanned call's reply_to (node/fanout.py reads it)
 
 _routes: dict[str, str] = {}   # agent address -> its fan inbox (tcp; ipc alias in the runtime)
@@ -50,12 +50,13 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     groups: dict[str, list] = {}
     direct = refs
     call_id = msg[reply_at + 1]
-    if FANOUT_MIN and len(refs) >= FANOUT_MIN and _routes and type(call_id) is int and _pid[0] == os.getpid():
+    fan_min = config.FANOUT_MIN.get() if _routes else 0
+    if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
         for r in refs:
             groups.setdefault(r.agent, []).append(r)
         for agent in list(groups):
-            if len(groups[agent]) < FANOUT_MIN or agent not in _routes:
+            if len(groups[agent]) < fan_min or agent not in _routes:
                 direct.extend(groups.pop(agent))
     dests = [r.work for r in refs]
     inner = None

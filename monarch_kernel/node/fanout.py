@@ -14,10 +14,10 @@ each message prefixed with a routing frame ``dest \\0 call id``. A fanned reply 
 own, so the agent checks the proc's signature and replay stamp and reads the small tuple
 without ever unpickling a user's object (its class may not even import here). The agent
 holds the items per destination and sends one signed batch ``("rb", items, buffers)``
-when every member of a call on this host has answered, or ``FLUSH_S`` after the first one
-waiting (output, slow members). The controller checks one signature per batch and
-unpickles only the values: per member a few microseconds instead of a receive, a MAC
-check and a full message. A proc's output and reply leave on the same socket, in order,
+when every member of a call on this host has answered, or ``MONARCH_KERNEL_FANIN_FLUSH_S``
+(2 ms) after the first one waiting (output, slow members). The controller checks one
+signature per batch and unpickles only the values: per member a few microseconds instead
+of a receive, a MAC check and a full message. A proc's output and reply leave on the same socket, in order,
 and the agent keeps that order in the batch. Before a proc's death is reported, what it
 sent is flushed.
 
@@ -26,18 +26,17 @@ Everything runs on the agent's poll-loop thread; ``sockets()`` are polled by it.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import time
 
 import zmq
 
+from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.runtime import host_id, ipc_name
 
 log = logging.getLogger("monarch_kernel.agent")
 
-FLUSH_S = float(os.environ.get("MONARCH_KERNEL_FANIN_FLUSH_S", "0.002"))
 MAX_HELD = 4096   # messages held for one destination before a batch goes regardless
 
 
@@ -75,6 +74,7 @@ class FanRelay:
         self.contacts: dict[str, list] = {}           # destination address -> its contact
         self.expected: dict[tuple[str, int], int] = {}   # (dest, call id) -> replies still to come
         self.fanned = 0
+        self.flush_s = config.FANIN_FLUSH_S.get()
 
     # ---------------------------------------------------------------- for the agent
     def sockets(self) -> tuple:
@@ -102,7 +102,7 @@ class FanRelay:
     def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for dest, h in self.held.items():
-            if h.items and now - h.since >= FLUSH_S:
+            if h.items and now - h.since >= self.flush_s:
                 self._flush(dest, h)
 
     def flush_all(self) -> None:

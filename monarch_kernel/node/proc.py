@@ -20,6 +20,7 @@ import traceback
 
 import zmq
 
+from monarch_kernel import config
 from monarch_kernel.core import context as context_mod
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.channels import Port, reply_port
@@ -612,9 +613,9 @@ def main(cfg: dict) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["RANK"] = str(cfg["rank"])
     os.environ["LOCAL_RANK"] = str(cfg.get("local_index", 0))
-    os.environ["MONARCH_KERNEL_PROC"] = cfg["proc_key"]
+    os.environ[config.PROC.env] = cfg["proc_key"]
     gpus = _gpu_count()
-    if gpus and "MONARCH_KERNEL_KEEP_CUDA_VISIBLE" not in os.environ:
+    if gpus and not config.KEEP_CUDA_VISIBLE.get():
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.get("local_index", 0) % gpus)
     rt = Runtime(bind_host=cfg["bind"], role="proc")
     install_runtime(rt)
@@ -627,7 +628,7 @@ def main(cfg: dict) -> int:
     WORKER = worker
     context_mod.set_proc_worker(worker)
     debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
-    from monarch_kernel.jupyter.display_worker import use_on_this_rank
+    from monarch_kernel.node.rich_output import use_on_this_rank
 
     use_on_this_rank()   # display() and plt.show() reach the notebook, not the kernel's backend
     sys.stdout, sys.stderr = worker.stdout, worker.stderr

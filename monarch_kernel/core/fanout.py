@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import config
 from . import wire
 from .errors import ActorError
 
@@ -50,7 +49,7 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     groups: dict[str, list] = {}
     direct = refs
     call_id = msg[reply_at + 1]
-    fan_min = config.FANOUT_MIN.get() if _routes else 0
+    fan_min = int(os.environ.get("MONARCH_KERNEL_FANOUT_MIN") or 4) if _routes else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
         for r in refs:

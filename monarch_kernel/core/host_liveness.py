@@ -21,7 +21,12 @@ import logging
 import os
 import time
 
-from .. import config
+# Read when used (declared in monarch_kernel/config.py; core/ reads the environment itself).
+_STARVED_ENV = "MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S"
+
+
+def starved_host_timeout_s() -> float:
+    return float(os.environ.get(_STARVED_ENV) or 30.0)
 
 log = logging.getLogger("monarch_kernel")
 
@@ -73,7 +78,7 @@ class LocalAgentWatch:
         if load and not self._said and silent_s > 1.0:
             self._said = True
             log.info("host agent pid %d silent for %.1f s but busy or waiting for a CPU (load): "
-                        "tolerated up to %.0f s", self.pid, silent_s, config.STARVED_HOST_TIMEOUT_S.get())
+                        "tolerated up to %.0f s", self.pid, silent_s, starved_host_timeout_s())
         elif not load:
             self._said = False
         return load
@@ -90,6 +95,6 @@ class LocalAgentWatch:
 
     def silence_tolerated(self, silent_s: float) -> bool:
         """True while the agent's silence is load (alive, not stopped, wanting the CPU)."""
-        if not self.busy or silent_s >= config.STARVED_HOST_TIMEOUT_S.get():
+        if not self.busy or silent_s >= starved_host_timeout_s():
             return False
         return _state(self.pid) not in ("", "T", "t", "Z", "X")

@@ -11,7 +11,9 @@ Figures (one JSON line each, the shared record format; median of --runs):
   slurm_kill_s              kill() to nothing queued and no agent left (goal <= 2 s)
   Where the first reply's time goes (node-side timestamps from each node's report; the
   two "nodes" share this machine's cores, so their zygotes import torch side by side):
-  slurm_submit_to_nodes_s   sbatch to the last node's starter running (Slurm: schedule, batch step, srun)
+  slurm_submit_to_nodes_s   sbatch to the last node's starter running (Slurm: schedule, batch step, srun):
+  slurm_submit_to_batch_s   ... of which sbatch to the batch script running (scheduling)
+  slurm_batch_to_nodes_s    ... and the batch script to the last node's starter (the srun step)
   slurm_node_to_agent_s     a node's starter running to its agent ready and reported (slowest node)
   slurm_agents_to_state_s   the last report to state() returning (attach)
   slurm_state_to_reply_s    state() returning to the first reply: the zygotes' torch import, fork, spawn
@@ -124,7 +126,11 @@ def _breakdown(agents: list[dict], w0: float, w_state: float, w_reply: float) ->
     ts = [a.get("t") or {} for a in agents]
     if not all("node_started" in t and "reported" in t for t in ts):
         return {}
-    return {"slurm_submit_to_nodes_s": max(t["node_started"] for t in ts) - w0,
+    out = {}
+    if all("batch_started" in t for t in ts):   # Slurm's part: scheduling, then the srun step
+        out = {"slurm_submit_to_batch_s": min(t["batch_started"] for t in ts) - w0,
+               "slurm_batch_to_nodes_s": max(t["node_started"] for t in ts) - min(t["batch_started"] for t in ts)}
+    return {**out, "slurm_submit_to_nodes_s": max(t["node_started"] for t in ts) - w0,
             "slurm_node_to_agent_s": max(t["reported"] - t["node_started"] for t in ts),
             "slurm_agents_to_state_s": w_state - max(t["reported"] for t in ts),
             "slurm_state_to_reply_s": w_reply - w_state}

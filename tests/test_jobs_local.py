@@ -245,8 +245,11 @@ def test_a_notebook_runs_cells_on_the_mesh_of_a_multi_mesh_job_it_names_and_move
         shown = status.stdout + status.result + "".join(str(m["content"].get("data", {})) for m in status.outputs)
         assert "mesh 'loaders' of trainers, loaders" in shown, shown
         assert k.value("pj.state().trainers.spawn_procs(per_host={'gpus': 1}).sizes") == {"hosts": 2, "gpus": 1}
+        k.ok("job = 'a variable of mine'")
         r = k.ok("%mesh connect multi --mesh trainers", timeout=120)
         assert "mesh 'multi': 2 procs (hosts=2, gpus=1) on mesh 'trainers'" in r.stdout, r.stdout
+        assert "the job's other meshes: loaders (`%mesh connect multi --mesh loaders` runs" in r.stdout, r.stdout
+        assert k.value("job") == "a variable of mine"   # never overwritten
         out = k.ok("%%on_mesh\n'where' in globals()")
         assert "True" not in out.stdout + out.result
         k.ok("%mesh connect multi --mesh loaders", timeout=60)

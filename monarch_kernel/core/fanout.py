@@ -38,8 +38,8 @@ def learn_agent(rt, agent_addr: str, info: dict) -> None:
         _routes.pop(agent_addr, None)
         return
     _routes[agent_addr] = rt.learn_contact(list(fan))
-    if "rb" not in rt.handlers:
-        rt.handlers["rb"] = lambda msg: _on_batch(rt, msg)
+    if rt.once("fan-in batches"):
+        rt.on_message("rb", lambda msg: _on_batch(rt, msg))
 
 
 def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:

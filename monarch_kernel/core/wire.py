@@ -28,6 +28,7 @@ import types
 import cloudpickle
 import zmq
 
+from .. import config
 from . import extensions as _extensions
 
 _RCVMORE = int(zmq.RCVMORE)
@@ -124,10 +125,10 @@ class _LocalReceivers(threading.local):
 
 
 _LOCAL = _LocalReceivers()
-LARGE_TENSOR_BYTES = int(os.environ.get("MONARCH_KERNEL_SHM_TENSOR_BYTES", str(1 << 20)))
+LARGE_TENSOR_BYTES = config.SHM_TENSOR_BYTES.get()
 
 
-SHM_TENSORS = os.environ.get("MONARCH_KERNEL_SHM_TENSORS", "1") != "0"
+SHM_TENSORS = config.SHM_TENSORS.get()
 # (tensor, receivers) -> a pickle reduction, or None for the socket path. Set by the rdma
 # feature through extensions.register_large_tensor_hook (kept None with MONARCH_KERNEL_SHM_TENSORS=0).
 LARGE_TENSOR_HOOK = _extensions.large_tensor_hook() if SHM_TENSORS else None
@@ -339,6 +340,10 @@ class Keyring:
             kid = self._ids[key] = key_id(key)
             self._keys[kid] = key
         return kid
+
+    def any_key(self) -> bytes:
+        """A key this process trusts (to sign a message to itself); KeyError if none."""
+        return next(iter(self._keys.values()))
 
     def sign(self, key: bytes, frames: list) -> list:
         """``frames`` = [header, *buffers] -> the frames to send: the first is

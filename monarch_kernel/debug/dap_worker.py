@@ -21,7 +21,7 @@ class DapServer(Actor):
 
         w = proc_mod.WORKER
         if w is not None:
-            w.rt.handlers["dap_src"] = _write_source
+            w.rt.on_message("dap_src", _write_source)
 
     @endpoint
     def listen(self, host: str) -> int:

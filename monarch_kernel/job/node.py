@@ -44,6 +44,13 @@ def rank_from_env() -> int:
     return 0
 
 
+def _batch_started(text: str) -> dict:
+    try:   # a date(1) without %N gives "1700000000.N": then the figure is left out
+        return {"batch_started": float(text)}
+    except ValueError:
+        return {}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m monarch_kernel.job.node", description=__doc__.split("\n")[0])
     p.add_argument("--report", required=True, help="the controller's rendezvous, tcp://HOST:PORT")
@@ -54,6 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=None, help="this host's rank (default: from the scheduler)")
     p.add_argument("--key-stdin", action="store_true", help="read the key (hex) from the first line of stdin")
     p.add_argument("--detach", action="store_true", help="exit once the agent is up; it keeps running")
+    p.add_argument("--batch-started", default="",
+                   help="when the batch script started (Slurm's `date +%%s.%%N`), for the timing in the report")
     a = p.parse_args(argv)
     if a.key_stdin:
         os.environ[config.KEY.env] = sys.stdin.readline().strip()
@@ -92,7 +101,8 @@ def main(argv=None) -> int:
         report["error"] = f"the host agent did not start on {report['host']} (exit {agent.returncode}): {tail}"
         reporter.send(key, report)
         return 1
-    report.update(addr=line[len(READY):], pid=agent.pid, t={"node_started": STARTED, "agent_ready": time.time()})
+    report.update(addr=line[len(READY):], pid=agent.pid, t={"node_started": STARTED, "agent_ready": time.time(),
+                                                           **_batch_started(a.batch_started)})
     reporter.send(key, report)
     if a.detach:
         agent.stdout.close()

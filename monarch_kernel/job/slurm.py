@@ -85,7 +85,8 @@ class SlurmJob(JobTrait):
         node = [self.python_exe, "-m", "monarch_kernel.job.node", "--report", report, "--token", token,
                 "--lease", str(self.lease), "--name", self.name]
         return ("#!/bin/sh\n# monarch-kernel: one host agent per node; the job ends when they do.\n"
-                f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(node)}\n")
+                f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(node)} "
+                '--batch-started "$(date +%s.%N)"\n')
 
     def _create(self, key: bytes, progress: Progress) -> list[dict]:
         total = sum(self._meshes.values())

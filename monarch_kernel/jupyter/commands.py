@@ -89,13 +89,14 @@ def connect(ctx, args):
         where = f" on mesh {ctx.session.job_mesh!r} of {job.kind} job {job.job_id}"
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     if others:
-        from ..job import JobTrait
-
         ns = ctx.shell.user_ns
-        var = args.job or "job"
-        if var == "job" and isinstance(ns.get("job", None), (JobTrait, type(None))):
+        var = args.job
+        mine = ns.get("job", None)
+        if var is None and (mine is None or mine is job):
             ns["job"] = job   # as `mesh`: the job, to reach its other meshes from Python
-        print(f"the job's other meshes: {', '.join(others)} (`{var}.state().{others[0]}` in Python; "
+            var = "job"
+        python = f"`{var}.state().{others[0]}` in Python; " if var else ""
+        print(f"the job's other meshes: {', '.join(others)} ({python}"
               f"`%mesh connect {name} --mesh {others[0]}` runs the cells there)")
     dead = pm.dead_ranks()
     if dead:

@@ -162,7 +162,7 @@ class _Run:
         from ..core.runtime import runtime
 
         rt = runtime()
-        hook, rt.wait_hook = rt.wait_hook, None   # a pause is this cell's wait hooks' to handle
+        hook = rt.set_wait_hook(None)   # a pause is this cell's wait hooks' to handle
         try:
             return self.future.get(FAST_WAIT_S)
         except TimeoutError:
@@ -171,7 +171,7 @@ class _Run:
             self.interrupt("was interrupted")
         finally:
             if rt.wait_hook is None:
-                rt.wait_hook = hook
+                rt.set_wait_hook(hook)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 

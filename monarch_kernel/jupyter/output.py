@@ -2,7 +2,7 @@
 
 Workers send ``("out", rank, stream, text)`` and ``("display", rank, data, metadata)``
 to the controller's inbox; the runtime's I/O thread hands them to ``OutputRouter``
-(``rt.output`` and ``rt.handlers["display"]``).
+(``rt.output`` and ``rt.on_message("display", ...)``).
 
 While an ``%%on_mesh`` cell runs, its output is first *held* and, when the cell ends
 within ``MONARCH_KERNEL_HOLD_S`` (1 s), written in rank order (rank 0's lines, then rank 1's, ...): the
@@ -221,7 +221,7 @@ class OutputRouter:
 
     def install(self, rt) -> None:
         rt.output = self.on_output
-        rt.handlers["display"] = self.on_display
+        rt.on_message("display", self.on_display, replace=True)   # the kernel's current router
 
     # ---------------------------------------------------------------- I/O thread
     def on_output(self, rank: int, stream: str, text: str) -> None:

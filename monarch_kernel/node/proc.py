@@ -114,13 +114,13 @@ class ProcWorker:
         self.main_ident = threading.get_ident()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.running = True
-        rt.handlers["interrupt"] = self._on_interrupt
-        rt.handlers["died"] = self._on_died_notice
-        rt.handlers["query"] = self._on_query
-        rt.handlers["logopt"] = self._on_logging_option
+        rt.on_message("interrupt", self._on_interrupt)
+        rt.on_message("died", self._on_died_notice, replace=True)   # a proc's own death notices
+        rt.on_message("query", self._on_query)
+        rt.on_message("logopt", self._on_logging_option)
         context_mod.SELF_CONTROL = self
-        rt.agent_event_handlers["sink"] = self._on_sink
-        rt.agent_event_handlers["died"] = lambda link, key, failure: self._peer_died(key, failure)
+        rt.on_agent_event("sink", self._on_sink)
+        rt.on_agent_event("died", lambda link, key, failure: self._peer_died(key, failure), replace=True)
         rt.death_listeners.append(self._supervise_owned)
         self.stdout = ForwardingStream(self, "stdout")
         self.stderr = ForwardingStream(self, "stderr")
@@ -228,8 +228,7 @@ class ProcWorker:
         self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
                            self.rt.curve_public)
-        self.rt.nested_work = (work, self._nested_work)
-        self.rt.nested_thread = threading.get_ident()
+        self.rt.serve_work_while_waiting(work, self._nested_work)
         deferred = self.deferred
         while self.running:
             if deferred:

@@ -127,7 +127,7 @@ class TensorWorker(Actor):
 
         self.rank = current_rank().rank
         self.unreported: list[OpFailure] = []
-        runtime().handlers["torch_abort"] = abort_group
+        runtime().on_message("torch_abort", abort_group)
 
     # ------------------------------------------------------------ process group
     @endpoint

@@ -138,6 +138,9 @@ class AgentLink:
         self.key = key
         self.sock = rt.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        ident = wire.new_identity()   # the agent's replies are addressed to it (wire.dest_of_identity)
+        self.sock.setsockopt(zmq.ROUTING_ID, ident)
+        rt.keyring.accept(f"agent {addr}", wire.dest_of_identity(ident))
         curve.connect(self.sock, addr, curve.agent_keys(key)[0] if curve.wanted(addr) else None)
         self.requests: dict[int, Future] = {}
         self.last_seen = time.monotonic()
@@ -165,6 +168,7 @@ class Runtime:
         # procs can reach it (MONARCH_KERNEL_BIND=10.0.0.5, or the launcher passes it).
         bind_host = bind_host or os.environ.get("MONARCH_KERNEL_BIND") or "127.0.0.1"
         self.pid = os.getpid()
+        self.forks = _FORKS[0]
         self.role = role
         self.ident = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
@@ -183,6 +187,7 @@ class Runtime:
         self.host_id = host_id()
         self.ipc_address = ipc_name("inbox")
         self.inbox.bind(self.ipc_address)
+        self.keyring.accept("inbox", wire.dest_id(self.address), wire.dest_id(self.ipc_address))
         self.ipc_alias: dict[str, str] = {}   # tcp address -> ipc address, for same-host peers
         self.contact = [self.address, self.ipc_address, self.host_id, self.curve_public]   # how peers reach us
         self.bind_host = bind_host
@@ -280,13 +285,20 @@ class Runtime:
                 pass
             s.close(0)
 
-    def pack(self, key: bytes, msg, dests=()) -> list:
-        """Sign and pickle ``msg``. ``dests``: the addresses it will be sent to; when all are
-        on this host, large tensors may travel as same-host handles (wire.LARGE_TENSOR_HOOK)."""
+    def pack(self, key: bytes, msg, dests=()) -> wire.Sealed:
+        """Pickle ``msg`` and MAC its body; ``send_frames`` stamps it for each destination.
+        ``dests``: the addresses it will be sent to; when all are on this host, large tensors
+        may travel as same-host handles (wire.LARGE_TENSOR_HOOK)."""
         local = len(dests) if dests and wire.LARGE_TENSOR_HOOK is not None and all(map(is_local, dests)) else 0
-        return self.keyring.sign(key, wire.dumps(msg, local))
+        return self.keyring.seal(key, wire.dumps(msg, local))
+
+    def pack_to(self, addr: str, key: bytes, msg) -> list:
+        """The frames of ``msg`` for the one socket at ``addr`` (an agent link's requests)."""
+        return self.keyring.sign(key, wire.dumps(msg), wire.dest_id(addr))
 
     def send_frames(self, addr: str, frames: list) -> None:
+        if type(frames) is wire.Sealed:   # bound to this destination (no replay to another socket)
+            frames = self.keyring.stamp(frames, wire.dest_id(addr))
         if len(frames) == 1:
             self._sender(addr).send(frames[0])   # small header: a copy beats a zero-copy Frame
         else:
@@ -381,6 +393,7 @@ class Runtime:
         finally:
             with self._want_lock:
                 self._inbox_wanted -= 1
+        self.keyring.accept("inbox", wire.dest_id(addr))
         self.address, self.bind_host, self.curve_public = addr, host, pub
         self.contact = [addr, self.ipc_address, self.host_id, pub]
         return addr
@@ -522,7 +535,7 @@ class Runtime:
                 return
             req = next(self._ids)
             link.requests[req] = fut
-            link.sock.send_multipart(self.pack(key, ("req", req, op, args)), copy=False)
+            link.sock.send_multipart(self.pack_to(addr, key, ("req", req, op, args)), copy=False)
 
         self.call_in_io(go)
         return fut
@@ -530,7 +543,7 @@ class Runtime:
     def agent_send(self, addr: str, key: bytes, op: str, *args) -> None:
         """Fire-and-forget to an agent (no reply expected)."""
         self.call_in_io(lambda: self._link(addr, key).sock.send_multipart(
-            self.pack(key, ("req", 0, op, args)), copy=False))
+            self.pack_to(addr, key, ("req", 0, op, args)), copy=False))
 
     def watch_agent(self, addr: str, key: bytes, pid: int | None = None, host: str = "") -> None:
         """Heartbeat the agent at ``addr``; ``pid``: its pid when it runs on this machine, so
@@ -706,7 +719,8 @@ class Runtime:
                 # A lost link is heartbeaten too: a host that answers again comes back.
                 link.last_hb_sent = now
                 link.unanswered += 1
-                link.sock.send_multipart(self.pack(link.key, ("req", 0, "hb", (self.address,))), copy=False)
+                link.sock.send_multipart(self.pack_to(link.addr, link.key, ("req", 0, "hb", (self.address,))),
+                                        copy=False)
             if link.lost:
                 continue
             silent = now - link.last_seen
@@ -771,7 +785,8 @@ class Runtime:
         fut = Future("hello")
         req = next(self._ids)
         link.requests[req] = fut
-        link.sock.send_multipart(self.pack(link.key, ("req", req, "hello", (self.contact,))), copy=False)
+        link.sock.send_multipart(self.pack_to(link.addr, link.key, ("req", req, "hello", (self.contact,))),
+                                copy=False)
 
         def died_meanwhile(f):
             if f.exception() is not None:
@@ -886,6 +901,8 @@ def is_local(addr: str) -> bool:
 
 
 _runtime: Runtime | None = None
+_FORKS = [0]   # forks this process came from: a forked child makes its own runtime
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 _runtime_lock = threading.Lock()
 
 
@@ -893,7 +910,7 @@ def runtime() -> Runtime:
     """This process's runtime (created on first use; a forked child gets a new one)."""
     global _runtime
     rt = _runtime
-    if rt is not None and rt.pid == os.getpid():
+    if rt is not None and rt.forks == _FORKS[0]:   # (os.getpid() is a system call, twice a call)
         return rt
     with _runtime_lock:
         if _runtime is None or _runtime.pid != os.getpid():

@@ -91,6 +91,7 @@ class HostAgent:
             # procs to, an address they can reach, never 0.0.0.0.
             self.bind_host = _reachable_ip()
             self.addr = self.addr.replace(f"//{a.bind}:", f"//{self.bind_host}:", 1)
+        self.keyring.accept("agent router", wire.dest_id(self.addr))   # requests name this port
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[str, dict] = {}        # spawn id -> {ident, req, keys}
@@ -125,7 +126,8 @@ class HostAgent:
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
         try:
-            self.router.send_multipart([ident, *self.keyring.sign(self.key, wire.dumps(msg))], copy=False)
+            self.router.send_multipart([ident, *self.keyring.sign(self.key, wire.dumps(msg),
+                                                                   wire.dest_of_identity(ident))], copy=False)
         except zmq.ZMQError as e:
             log.warning("could not send to %r: %s", ident, e)
 

@@ -598,3 +598,36 @@ def _wait_for(cond, within: float) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+def test_an_agent_bound_on_every_interface_is_reachable_through_loopback_too():
+    """CURVE is chosen by the address a peer dials: an agent bound on 0.0.0.0 (CURVE off this
+    host) still answers a controller on its host that dials 127.0.0.1 (plain, MAC only)."""
+    import select
+
+    from monarch_kernel.actor import attach_to_workers
+    from monarch_kernel.core.connection import new_key
+
+    key = new_key()
+    agent = subprocess.Popen([sys.executable, "-m", "workers.agent", "--bind", "0.0.0.0",
+                              "--parent-pid", str(os.getpid())], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, MONARCH_KERNEL_KEY=key.hex(), MONARCH_KERNEL_CURVE="auto"),
+                             start_new_session=True)
+    try:
+        line, deadline = b"", time.monotonic() + 60
+        while not line.endswith(b"\n") and time.monotonic() < deadline:
+            if select.select([agent.stdout], [], [], 1)[0]:
+                chunk = os.read(agent.stdout.fileno(), 4096)
+                assert chunk, f"the agent exited at start (code {agent.wait()})"
+                line += chunk
+        advertised = line.decode().split()[1]
+        assert not advertised.startswith("tcp://127."), advertised   # it tells peers a real address
+        hosts = attach_to_workers(["tcp://127.0.0.1:" + advertised.rsplit(":", 1)[1]], key, name="wildcard")
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        assert procs.spawn("c", Counter).bump.call_one().get(30) == 1
+        procs.stop()
+    finally:
+        agent.send_signal(signal.SIGKILL)   # its zygote and procs die with it (PDEATHSIG)
+        agent.wait(10)
+        agent.stdout.close()

@@ -85,7 +85,12 @@ class HostAgent:
         _raise_fd_limit()
         # Off this host, the link is CurveZMQ too (keys derived from the mesh key, curve.py).
         secret = curve.agent_keys(self.key)[1] if curve.wanted(a.bind) else None
-        self.addr = curve.bind(self.router, f"tcp://{a.bind}:{a.port or '*'}", secret)
+        if a.bind in _WILDCARDS and a.bind != "::" and a.bind != "[::]":
+            # Each address in the mode its peers expect (a peer on this host may dial 127.0.0.1).
+            self.addr = curve.bind_every_interface(self.router, a.port or "*", curve.agent_keys(self.key)[1])
+            self.addr = f"tcp://{a.bind}:{self.addr.rsplit(':', 1)[1]}"
+        else:
+            self.addr = curve.bind(self.router, f"tcp://{a.bind}:{a.port or '*'}", secret)
         if a.bind in _WILDCARDS:
             # Bound to every interface (as a pod's agent may be): tell peers, and bind our
             # procs to, an address they can reach, never 0.0.0.0.

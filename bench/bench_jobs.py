@@ -9,6 +9,16 @@ Figures (one JSON line each, the shared record format; median of --runs):
   slurm_node_loss_s         a node's link down to the failed future of a call on it (goal <= 5 s)
   slurm_reattach_s          a new process: state() re-attaching + the first reply of an existing actor (<= 1 s)
   slurm_kill_s              kill() to nothing queued and no agent left (goal <= 2 s)
+  Where the first reply's time goes (node-side timestamps from each node's report; the
+  two "nodes" share this machine's cores, so their zygotes import torch side by side):
+  slurm_submit_to_nodes_s   sbatch to the last node's starter running (Slurm: schedule, batch step, srun):
+  slurm_submit_to_batch_s   ... of which sbatch to the batch script running (scheduling)
+  slurm_batch_to_nodes_s    ... and the batch script to the last node's starter (the srun step)
+  slurm_node_to_agent_s     a node's starter running to its agent ready and reported (slowest node)
+  slurm_agents_to_state_s   the last report to state() returning (attach)
+  slurm_state_to_reply_s    state() returning to the first reply: the zygotes' torch import, fork, spawn
+  slurm_first_reply_no_torch_s  the same first reply with MONARCH_KERNEL_NO_TORCH=1 (zygotes skip torch):
+                            what the orchestration costs without the per-node torch import
   process_first_reply_s     the same first reply with ProcessJob (local agent processes)
   k8s_fake_state_s          KubernetesJob on the FAKE API server (tests/fake_k8s.py): pods created to
                             both agents attached
@@ -82,12 +92,14 @@ def slurm_run(cluster, Where) -> dict:
 
     out = {}
     job = SlurmJob(meshes={"hosts": 2})
-    t0 = time.perf_counter()
+    t0, w0 = time.perf_counter(), time.time()
     state = job.state()
     out["slurm_state_s"] = time.perf_counter() - t0
+    w_state = time.time()
     where = state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
     where.host.call().get(timeout=60)
     out["slurm_first_reply_s"] = time.perf_counter() - t0
+    out.update(_breakdown(job._agents, w0, w_state, time.time()))
     job.disconnect()
     r = subprocess.run([sys.executable, "-c", REATTACH], capture_output=True, text=True, timeout=120, cwd=ROOT)
     out["slurm_reattach_s"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
@@ -108,6 +120,36 @@ def slurm_run(cluster, Where) -> dict:
         time.sleep(0.01)
     out["slurm_kill_s"] = time.perf_counter() - t0
     return out
+
+
+def _breakdown(agents: list[dict], w0: float, w_state: float, w_reply: float) -> dict:
+    ts = [a.get("t") or {} for a in agents]
+    if not all("node_started" in t and "reported" in t for t in ts):
+        return {}
+    out = {}
+    if all("batch_started" in t for t in ts):   # Slurm's part: scheduling, then the srun step
+        out = {"slurm_submit_to_batch_s": min(t["batch_started"] for t in ts) - w0,
+               "slurm_batch_to_nodes_s": max(t["node_started"] for t in ts) - min(t["batch_started"] for t in ts)}
+    return {**out, "slurm_submit_to_nodes_s": max(t["node_started"] for t in ts) - w0,
+            "slurm_node_to_agent_s": max(t["reported"] - t["node_started"] for t in ts),
+            "slurm_agents_to_state_s": w_state - max(t["reported"] for t in ts),
+            "slurm_state_to_reply_s": w_reply - w_state}
+
+
+def slurm_no_torch_run(Where) -> dict:
+    from monarch_kernel.job import SlurmJob
+
+    os.environ["MONARCH_KERNEL_NO_TORCH"] = "1"   # sbatch exports it to the nodes' zygotes
+    try:
+        job = SlurmJob(meshes={"hosts": 2}, name="bench-no-torch")
+        t0 = time.perf_counter()
+        job.state(cached_path=None).hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where) \
+            .host.call().get(timeout=60)
+        took = time.perf_counter() - t0
+        job.kill()
+    finally:
+        del os.environ["MONARCH_KERNEL_NO_TORCH"]
+    return {"slurm_first_reply_no_torch_s": took}
 
 
 def process_run(Where) -> dict:
@@ -144,6 +186,7 @@ def k8s_run(Where) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--only", choices=("slurm", "process", "k8s"), help="run one part")
     a = p.parse_args(argv)
     import cloudpickle
 
@@ -152,7 +195,7 @@ def main(argv=None) -> None:
     from slurm_cluster import SlurmCluster, unavailable
 
     runs: list[dict] = []
-    why = unavailable()
+    why = unavailable() if a.only in (None, "slurm") else "not asked for (--only)"
     if why:
         print(f"# no Slurm test cluster: {why}; Slurm figures skipped", file=sys.stderr)
     else:
@@ -160,12 +203,13 @@ def main(argv=None) -> None:
             os.environ["SLURM_CONF"] = cluster.conf
             for _ in range(a.runs):
                 runs.append(slurm_run(cluster, Where))
-    for _ in range(a.runs):
+                runs.append(slurm_no_torch_run(Where))
+    for _ in range(a.runs if a.only in (None, "process") else 0):
         runs.append(process_run(Where))
     try:
         import kubernetes  # noqa: F401
 
-        for _ in range(a.runs):
+        for _ in range(a.runs if a.only in (None, "k8s") else 0):
             runs.append(k8s_run(Where))
     except ImportError:
         print("# no kubernetes client (pip install 'monarch-kernel[kubernetes]'); k8s figures skipped",
@@ -177,7 +221,7 @@ def main(argv=None) -> None:
                 metrics.setdefault(k, []).append(v)
     for k, vs in metrics.items():
         emit(k, round(statistics.median(vs), 3), "s", n=len(vs), runs=[round(v, 3) for v in vs],
-             machine=f"{os.cpu_count()} cores, shared")
+             best=round(min(vs), 3), load=round(os.getloadavg()[0], 1), machine=f"{os.cpu_count()} cores, shared")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ class SSHHosts:
                 f.write(f"Port 22\nListenAddress {self.net.ip[name]}\nHostKey {d}/host_key\n"
                         f"PidFile {d}/sshd_{name}.pid\nAuthorizedKeysFile {d}/authorized_keys\n"
                         "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-                        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n")
+                        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+                        "AcceptEnv MONARCH_KERNEL_HOME\n")
             self.procs.append(subprocess.Popen(self.net.enter(name, [SSHD, "-D", "-e", "-f", conf]), env=denv,
                                                stdout=subprocess.DEVNULL, stderr=open(f"{d}/sshd_{name}.err", "wb")))
         nowhere = self.net.bridge_ip.rsplit(".", 1)[0] + ".99"

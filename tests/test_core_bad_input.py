@@ -122,7 +122,7 @@ def test_wrong_arguments_to_an_endpoint_fail_remotely_with_the_reason(echo):
 
 def test_an_argument_that_cannot_be_pickled_is_named_with_its_type(echo):
     rt = runtime()
-    pending_before = len(rt._pending)
+    pending_before = rt.calls.pending_count()
     with pytest.raises(TypeError, match=r"echo\.store: argument 'value' \(_thread\.lock\) cannot be sent to the "
                                         r"mesh: it cannot be pickled"):
         echo.store.call(threading.Lock())
@@ -132,7 +132,7 @@ def test_an_argument_that_cannot_be_pickled_is_named_with_its_type(echo):
         echo.slice(gpus=0).store.call_one(threading.Lock())
     with pytest.raises(TypeError, match=r"argument 'value' \(_thread\.lock\)"):
         echo.store.broadcast(threading.Lock())
-    assert len(rt._pending) == pending_before      # nothing left waiting for a reply
+    assert rt.calls.pending_count() == pending_before      # nothing left waiting for a reply
 
 
 def test_an_init_argument_that_cannot_be_pickled(procs, echo):

@@ -46,6 +46,6 @@ def test_a_peer_on_another_host_is_reached_over_tcp():
                   "another-host")
     rt.register_procs([ref], b"k" * 32)
     try:
-        assert "tcp://10.9.9.9:5" not in rt.ipc_alias
+        assert "tcp://10.9.9.9:5" not in rt.transport.ipc_alias
     finally:
         rt.procs.pop("far", None)

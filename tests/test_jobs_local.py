@@ -13,7 +13,7 @@ import pytest
 
 from monarch_kernel.actor import Actor, endpoint
 from monarch_kernel.core.connection import connection_path as job_path
-from monarch_kernel.job import JobError, JobGoneError, LocalJob, ProcessJob
+from monarch_kernel.job import JobError, JobGoneError, LocalJob, ProcessJob, job_load
 
 ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -131,6 +131,69 @@ def test_process_job_as_monarch_examples_call_it_with_several_meshes_env_and_no_
         job.kill()
 
 
+def test_kill_releases_only_what_this_job_object_applied_never_a_job_cached_by_someone_else():
+    mine = ProcessJob(meshes={"hosts": 1}, name="kill-rule")
+    try:
+        mine.state()
+        theirs = ProcessJob(meshes={"hosts": 1}, name="kill-rule")   # same name and spec, never applied
+        with pytest.warns(UserWarning, match=r"never applied in this process, so kill\(\) released nothing.*"
+                                             r"job_load\(.*\)\.kill\(\) or `%mesh stop kill-rule`"):
+            theirs.kill()
+        assert all(_running(p) for p in _agent_pids(mine)) and job_path("kill-rule").exists()
+        # an uncached job of the same spec: its kill() ends its own agents, not the cache of mine
+        private = ProcessJob(meshes={"hosts": 1}, name="kill-rule")
+        private.state(cached_path=None)
+        private_pids = _agent_pids(private)
+        private.kill()
+        assert not [p for p in private_pids if _running(p)]
+        assert all(_running(p) for p in _agent_pids(mine)) and job_path("kill-rule").exists()
+        loaded = job_load(job_path("kill-rule"))   # what the warning says: this releases it
+        loaded.kill()
+        assert not [p for p in _agent_pids(mine) if _running(p)] and not job_path("kill-rule").exists()
+    finally:
+        mine.kill()
+
+
+SIGTERMED = """
+import json, sys, time
+from monarch_kernel.job import ProcessJob
+default = ProcessJob(meshes={"hosts": 1}, name="term-default")
+chosen = ProcessJob(meshes={"hosts": 1}, name="term-chosen", lease=600)
+private = ProcessJob(meshes={"hosts": 1}, name="term-private")
+procs = default.state().hosts.spawn_procs(per_host={"gpus": 1})
+chosen.state()
+private.state(cached_path=None)
+pids = {j.name: [a["pid"] for a in j._agents] for j in (default, chosen, private)}
+pids["procs"] = [r["pid"] for r in default.state().hosts.status()]
+print(json.dumps(pids), flush=True)
+time.sleep(300)
+"""
+
+
+def test_sigterm_to_the_controller_ends_its_process_job_agents_unless_a_lease_was_chosen():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MONARCH_KERNEL_NO_TORCH="1")
+    ctl = subprocess.Popen([sys.executable, "-c", SIGTERMED], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = json.loads(ctl.stdout.readline())
+        assert pids["procs"] and all(_running(p) for p in sum(pids.values(), []))
+        ctl.terminate()
+        assert ctl.wait(20) == -15   # still ended by SIGTERM, as without us
+        deadline = time.monotonic() + 10
+        ended = pids["term-default"] + pids["procs"] + pids["term-private"]
+        while [p for p in ended if _running(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in ended if _running(p)], "agents or procs left after SIGTERM"
+        assert not job_path("term-default").exists()
+        assert all(_running(p) for p in pids["term-chosen"])   # lease=600: persistent by choice
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
+        if job_path("term-chosen").exists():
+            job_load(job_path("term-chosen")).kill()
+    assert not [p for p in pids["term-chosen"] if _running(p)]
+
+
 def _connect_args(line: str):
     import shlex
 
@@ -161,3 +224,43 @@ def test_connect_shorthands_make_the_job_they_name_and_bad_combinations_say_why(
         job_from_args({}, _connect_args('x --slurm "-N 2-4"'), None)
     with pytest.raises(UsageError, match="not allowed with argument"):
         _connect_args('x --slurm "-N 2" --ssh a,b')
+
+
+def test_a_notebook_runs_cells_on_the_mesh_of_a_multi_mesh_job_it_names_and_moves_between_them():
+    from kernel_harness import KernelHarness
+
+    k = KernelHarness(env={"MONARCH_KERNEL_NO_TORCH": "1"})
+    try:
+        k.ok("from monarch_kernel.job import ProcessJob\npj = ProcessJob({'trainers': 2, 'loaders': 1}, name='multi')")
+        bad = k.run("%mesh connect multi --job pj --mesh learners")
+        assert bad.status == "error", bad.stdout
+        assert "has no mesh 'learners'; its meshes: trainers, loaders" in bad.stderr, bad.stderr
+        assert not job_path("multi").exists()   # a typo asks for nothing
+        r = k.ok("%mesh connect multi --job pj --mesh loaders --procs 1", timeout=120)
+        assert "mesh 'multi': 1 procs (hosts=1, gpus=1) on mesh 'loaders' of process job" in r.stdout, r.stdout
+        assert "the job's other meshes: trainers (`pj.state().trainers` in Python; " \
+               "`%mesh connect multi --mesh trainers` runs the cells there)" in r.stdout
+        k.ok("%%on_mesh\nwhere = f'loader {rank}'")
+        status = k.ok("%mesh status")
+        shown = status.stdout + status.result + "".join(str(m["content"].get("data", {})) for m in status.outputs)
+        assert "mesh 'loaders' of trainers, loaders" in shown, shown
+        assert k.value("pj.state().trainers.spawn_procs(per_host={'gpus': 1}).sizes") == {"hosts": 2, "gpus": 1}
+        k.ok("job = 'a variable of mine'")
+        r = k.ok("%mesh connect multi --mesh trainers", timeout=120)
+        assert "mesh 'multi': 2 procs (hosts=2, gpus=1) on mesh 'trainers'" in r.stdout, r.stdout
+        assert "the job's other meshes: loaders (`%mesh connect multi --mesh loaders` runs" in r.stdout, r.stdout
+        assert k.value("job") == "a variable of mine"   # never overwritten
+        out = k.ok("%%on_mesh\n'where' in globals()")
+        assert "True" not in out.stdout + out.result
+        k.ok("%mesh connect multi --mesh loaders", timeout=60)
+        out = k.ok("%%on_mesh\nwhere")   # the loaders' namespace was kept
+        assert "loader 0" in out.stdout + out.result
+        agents = k.value("[a['pid'] for a in pj._agents]")
+        assert len(agents) == 3
+        k.ok("%mesh stop multi", timeout=60)
+        deadline = time.monotonic() + 10
+        while [p for p in agents if _running(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in agents if _running(p)]
+    finally:
+        k.close(stop_meshes=("multi",))

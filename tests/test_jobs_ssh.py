@@ -3,11 +3,14 @@ key-based login, the mesh key on ssh's stdin. Skipped with the reason without ro
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 import time
 
 import cloudpickle
 import pytest
+from kernel_harness import KernelHarness, home_processes
 from ssh_hosts import hosts_fixture
 
 from monarch_kernel.actor import Actor, endpoint
@@ -62,3 +65,35 @@ def test_an_unreachable_host_is_named_and_no_agent_is_left_on_the_others(hosts):
     with pytest.raises(JobError, match="nowhere: .*none were left running"):
         _job(hosts, names=("h1", "nowhere")).state()
     assert time.monotonic() - t0 < 15
+
+
+def test_connect_ssh_cell_runs_cells_on_both_hosts_shows_the_job_and_stop_ends_every_agent(hosts, tmp_path):
+    """The user's line, through a real kernel: `ssh` on the kernel's PATH is the system
+    client with the test hosts' config (as ~/.ssh/config would be), passing the home on."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "ssh").write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {hosts.config} "
+                              '-o SetEnv=MONARCH_KERNEL_HOME="$MONARCH_KERNEL_HOME" "$@"\n')
+    (shim / "ssh").chmod(0o755)
+    k = KernelHarness(env={"PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"})
+    try:
+        r = k.ok("%mesh connect far --ssh h1,h2 --procs 2", timeout=120)
+        m = re.search(r"mesh 'far': 4 procs \(hosts=2, gpus=2\) on ssh job (ssh-\w+) started", r.stdout)
+        assert m, r.stdout + r.stderr
+        kernel = k.value("__import__('os').getpid()")
+        on_hosts = home_processes(k.home) - {kernel}
+        assert len(on_hosts) >= 2 + 2 + 4   # an agent and a zygote per host, 4 procs
+        out = k.ok("%%on_mesh\nimport socket\nf'{socket.gethostname()} rank {rank}'")
+        assert all(f"h{1 + r // 2} rank {r}" in out.stdout + out.result for r in range(4)), out.stdout + out.result
+        status = k.ok("%mesh status")
+        shown = status.stdout + status.result + "".join(
+            str(msg["content"].get("data", {})) for msg in status.outputs)
+        assert f"ssh job {m.group(1)} (on h1,h2)" in shown, shown
+        assert "stopped" in k.ok("%mesh stop far", timeout=60).stdout
+        deadline = time.monotonic() + 10
+        while home_processes(k.home) - {kernel} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not home_processes(k.home) - {kernel}, "agents, zygotes or procs left on the hosts"
+        assert k.run("%%on_mesh\n1").status == "error"
+    finally:
+        k.close(stop_meshes=("far",))

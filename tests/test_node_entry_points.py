@@ -1,6 +1,8 @@
-"""The node side moved from ``workers/`` to ``monarch_kernel.node``; the old names still
-work: ``python -m workers.agent`` (deployments, pod specs, docs) and ``import workers.proc``,
-which must be the same module objects (proc-global state such as ``WORKER`` exists once)."""
+"""The node side moved from ``workers/`` (and the procs' half of the notebook from
+``jupyter/``) to ``monarch_kernel.node``; the old names still work: ``python -m
+workers.agent`` (deployments, pod specs, docs), ``import workers.proc`` and
+``monarch_kernel.jupyter.cells.NAMESPACE`` (notebooks), as the same module objects, so
+module-global state (a proc's ``WORKER``, the cells' namespace) exists once."""
 from __future__ import annotations
 
 import os
@@ -38,6 +40,27 @@ def test_old_and_new_names_are_the_same_module_objects_in_either_import_order():
             "p.WORKER = 'set through the new name'\n"
             "print(workers.proc.WORKER)\n")
         assert out.strip() == "set through the new name"
+
+
+def test_the_cells_namespace_notebooks_read_under_its_old_name_is_the_same_dict():
+    out = _python(
+        "from monarch_kernel.jupyter.cells import NAMESPACE\n"
+        "import monarch_kernel.node.cells as cells, monarch_kernel.jupyter.figure_backend as old\n"
+        "import monarch_kernel.node.figure_backend as new\n"
+        "print(NAMESPACE is cells.NAMESPACE, old is new)\n")
+    assert out.split() == ["True", "True"]
+
+
+def test_what_runs_on_a_proc_imports_nothing_from_jupyter():
+    """The procs' side (agent, proc loop, cell runner, rank display, the debugger's worker
+    halves) loads no ipykernel / IPython / jupyter_client and no kernel-side module."""
+    out = _python(
+        "import sys\n"
+        "import monarch_kernel.node.agent, monarch_kernel.node.proc, monarch_kernel.node.cells\n"
+        "import monarch_kernel.node.rich_output, monarch_kernel.debug.dap_worker, monarch_kernel.debug.worker\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ipykernel', 'IPython', 'jupyter_client')\n"
+        "             or m.startswith('monarch_kernel.jupyter.') or m == 'monarch_kernel.debug.dap'))\n")
+    assert out.strip() == "[]"
 
 
 def test_an_unknown_old_name_is_still_an_import_error():
@@ -85,8 +108,10 @@ def test_an_agent_started_as_python_m_workers_agent_serves_procs():
         procs = hosts.spawn_procs(per_host={"gpus": 1})
         same, has_worker, _ = procs.spawn("where", Where).modules.call_one().get(60)
         assert same and has_worker
-        procs.stop()
-    finally:
-        agent.send_signal(signal.SIGKILL)   # its zygote and procs die with it (PDEATHSIG)
+        hosts.shutdown()
         agent.wait(10)
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGKILL)   # its zygote and procs die with it (PDEATHSIG)
+            agent.wait(10)
         agent.stdout.close()

@@ -135,9 +135,8 @@ def test_noop_resync_sends_nothing_and_one_edit_sends_one_file(procs, ws):
 
 def test_files_travel_compressed_across_a_network(procs, ws, monkeypatch):
     """Compression is on for remote hosts and off to loopback agents; force it on here."""
-    from monarch_kernel.sync import sender
 
-    monkeypatch.setattr(sender, "COMPRESS", "always")
+    monkeypatch.setenv("MONARCH_KERNEL_SYNC_COMPRESS", "always")
     text = "def f(x):\n    return x + 1\n" * 4000
     (ws / "big.py").write_text(text)
     (ws / "noise.bin").write_bytes(os.urandom(100_000))

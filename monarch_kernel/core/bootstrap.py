@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from .. import config
 from .hosts import HELLO_TIMEOUT_S, HostMesh, _gpu_count
 from .mesh import ProcMesh
 
@@ -55,7 +56,7 @@ def attach_to_workers(addresses: list[str] | None = None, key: bytes | str | Non
         raise TypeError("attach_to_workers needs the agents' addresses: workers=['tcp://host:port', ...]")
     name = name or "workers"
     if key is None:
-        key = os.environ.get("MONARCH_KERNEL_KEY")
+        key = config.KEY.get()
         if not key:
             raise ValueError("attach_to_workers needs the agents' key: pass key=... or set MONARCH_KERNEL_KEY "
                              "(the hex key the agents were started with)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import weakref
 from typing import Any, Callable, Generic, TypeVar
 
 from .future import Future
@@ -94,7 +95,7 @@ class PortReceiver(Generic[R]):
 
     def recv(self) -> Future[R]:
         fut: Future = Future("channel recv")
-        fut._waiter = runtime().wait_for   # a thread blocked in get() reads the inbox itself
+        fut.set_waiter(runtime().wait_for)   # a thread blocked in get() reads the inbox itself
         with self._lock:
             if not self._items:
                 self._waiting.append(fut)
@@ -147,22 +148,24 @@ def reply_port(reply_to, key: bytes, call_id, member_key: str) -> Port:
 def _port_key(rt) -> bytes:
     """This process's key for its channels (trusted by its own keyring; senders learn it
     from the Port they hold)."""
-    key = getattr(rt, "_channel_key", None)
+    key = _channel_keys.get(rt)
     if key is None:
         with _lock:
-            key = getattr(rt, "_channel_key", None)
+            key = _channel_keys.get(rt)
             if key is None:
                 import secrets
 
                 key = secrets.token_bytes(32)
                 rt.keyring.add(key)
-                rt._channel_key = key
+                _channel_keys[rt] = key
     return key
 
 
+_channel_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # runtime -> its channel key
+
+
 def _install(rt) -> None:
-    if "port" not in rt.handlers:
-        rt.handlers["port"] = _on_port
+    rt.on_message("port", _on_port)
 
 
 def _on_port(msg) -> None:
@@ -182,8 +185,8 @@ def chained(inner: Future, fn: Callable[[Any], Any], what: str) -> Future:
         except BaseException as e:
             out.set_exception(e)
 
-    if inner._waiter is not None:
-        out._waiter = lambda _f, timeout: inner._waiter(inner, timeout) if not inner.done() else None
+    if inner.waiter is not None:
+        out.set_waiter(lambda _f, timeout: inner.waiter(inner, timeout) if not inner.done() else None)
     inner.add_done_callback(done)
     return out
 

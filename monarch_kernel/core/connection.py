@@ -11,13 +11,14 @@ import re
 import secrets
 from pathlib import Path
 
+from .. import config
 from .errors import MeshGoneError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def home() -> Path:
-    return Path(os.environ.get("MONARCH_KERNEL_HOME") or Path.home() / ".monarch_kernel")
+    return Path(config.HOME.get())
 
 
 def mesh_dir() -> Path:

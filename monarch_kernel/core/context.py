@@ -90,9 +90,9 @@ def context() -> Context:
     one-member mesh, name 'client')."""
     c = _CTX.get()
     if c is None:
-        from . import runtime as rt_mod
+        from .runtime import current_runtime
 
-        rt = rt_mod._runtime
+        rt = current_runtime()
         if rt is not None and rt.role == "proc":
             raise RuntimeError("context() is only defined inside an actor endpoint or an %%on_mesh cell; "
                                "this thread runs outside any (a thread you started does not inherit it: "

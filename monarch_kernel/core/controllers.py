@@ -54,7 +54,7 @@ def get_or_spawn_controller(name: str, cls, *args, **kwargs) -> Future:
 
 def install(rt) -> None:
     """Answer actors' requests (controller side)."""
-    rt.handlers.setdefault("getctl", _on_request)
+    rt.on_message("getctl", _on_request)
 
 
 def _on_request(msg) -> None:

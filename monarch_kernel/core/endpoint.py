@@ -48,7 +48,7 @@ class Endpoint(Generic[T]):
         am = self._mesh._state
         ps = am.proc_state
         rt = runtime()
-        if rt._unhandled and rt.role == "controller":
+        if rt.role == "controller" and rt.has_unhandled():
             rt.raise_unhandled()
         if am.stopped:
             raise MeshGoneError(f"actor mesh '{am.name}' was stopped")
@@ -219,10 +219,7 @@ def _failed(error: BaseException, what: str) -> Future:
 
 def _consume_unhandled(rt: Runtime, err: BaseException) -> None:
     """The error is raised to the user now: don't raise it again at the next interaction."""
-    try:
-        rt._unhandled.remove(err)
-    except ValueError:
-        pass
+    rt.consume_unhandled(err)
 
 
 def _fail_if_dead(rt: Runtime, keys, pending):

@@ -86,7 +86,7 @@ class Future(Generic[T]):
                 try:
                     while self._state is _PENDING:
                         if not cond.wait(timeout):
-                            raise self._timeout_error(timeout)
+                            raise self.timeout_error(timeout)
                 finally:
                     cond.release()
             state = self._state
@@ -96,11 +96,26 @@ class Future(Generic[T]):
 
     result = get
 
-    def _timeout_error(self, timeout) -> TimeoutError:
+    # -------------------------------------------------------------- for the runtime (core)
+    @property
+    def what(self) -> str:
+        """What this future is of (``call of trainers.step``), for messages."""
+        return self._what
+
+    @property
+    def waiter(self):
+        return self._waiter
+
+    def set_waiter(self, waiter) -> None:
+        """``waiter(future, timeout)``: what ``get`` calls on a pending future first (the
+        runtime reads its inbox there, see core/inbox.py)."""
+        self._waiter = waiter
+
+    def timeout_error(self, timeout) -> TimeoutError:
         return TimeoutError(f"{self._what} did not finish within {timeout} s; it is still running: "
                             "get() again to wait more")
 
-    def _wait_briefly(self, seconds: float) -> None:
+    def wait_briefly(self, seconds: float) -> None:
         """Block up to ``seconds`` for a resolution by another thread."""
         with self._lock:
             if self._state is not _PENDING:

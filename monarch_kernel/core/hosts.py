@@ -13,6 +13,7 @@ import os
 import threading
 import uuid
 
+from .. import config
 from .connection import (
     agent_alive,
     check_name,
@@ -24,12 +25,12 @@ from .errors import HostUnreachableError, MeshFailure, MeshGoneError
 from .extensions import start_local_agent
 from .future import Future
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
-from .runtime import ProcRef, _pid_alive, pid_space, runtime
+from .runtime import ProcRef, pid_alive, pid_space, runtime
 from .shape import Extent
 
 log = logging.getLogger("monarch_kernel")
 
-DEFAULT_LEASE_S = float(os.environ.get("MONARCH_KERNEL_LEASE_S", "3600"))
+DEFAULT_LEASE_S = config.LEASE_S.get()
 HELLO_TIMEOUT_S = 10.0
 
 
@@ -63,9 +64,7 @@ class HostMesh:
         for a, info in zip(agents, self._infos):
             local = info.get("pid_space") and info.get("pid_space") == pid_space()
             rt.watch_agent(a["addr"], key, info.get("pid") if local else None, info.get("host", ""))
-        rt.agent_event_handlers.setdefault(
-            "superseded", lambda link, by: log.warning("another controller (%s) attached to %s; this one "
-                                                       "no longer receives its events", by, link.addr))
+        rt.on_agent_event("superseded", _superseded)
         self._adopt_registry()
 
     # ------------------------------------------------------------------ shape
@@ -250,7 +249,7 @@ class HostMesh:
     def agents_gone(self) -> bool:
         """Is every agent of this mesh a process of this machine that no longer runs?"""
         pids = [i.get("pid") if i.get("pid_space") == pid_space() else None for i in self._infos]
-        return bool(pids) and all(p is not None and not _pid_alive(p) for p in pids)
+        return bool(pids) and all(p is not None and not pid_alive(p) for p in pids)
 
     def _check_attached(self):
         if self._detached:
@@ -368,6 +367,10 @@ class HostMesh:
         from .reprs import host_mesh_html
 
         return host_mesh_html(self)
+
+
+def _superseded(link, by) -> None:
+    log.warning("another controller (%s) attached to %s; this one no longer receives its events", by, link.addr)
 
 
 _named: dict[str, HostMesh] = {}

@@ -92,9 +92,8 @@ def _state_from_wire(id, name, key, labels, sizes, procs):
 
 
 def _watch_replacements(rt: Runtime):
-    if getattr(rt, "_mesh_replace_hook", False):
+    if not rt.once("proc mesh states follow replaced procs"):
         return
-    rt._mesh_replace_hook = True
 
     def on_replaced(old_key: str, ref: ProcRef):
         for st in list(rt.mesh_states.values()):

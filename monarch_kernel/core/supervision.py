@@ -44,18 +44,18 @@ def deliver_unhandled(failure: MeshFailure, error: BaseException | None = None, 
         default_unhandled_fault_hook
     log.error("unhandled supervision failure: %s", failure)
     if hook is default_unhandled_fault_hook:
-        queued = runtime()._unhandled
+        queued = runtime().unhandled()
         if seen or mesh_id in _surfaced or any(_mesh_of(e) == failure.mesh for e in queued):
             return
         if mesh_id is not None:
             _surfaced.add(mesh_id)
         if error is not None:
-            queued.append(error)
+            runtime().queue_unhandled(error)
             return
     try:
         hook(failure)
     except BaseException as e:   # noqa: B036  (SystemExit from a Monarch-style hook: surface it)
-        runtime()._unhandled.append(e)
+        runtime().queue_unhandled(e)
 
 
 def _mesh_of(err: BaseException) -> str | None:

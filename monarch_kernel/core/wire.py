@@ -28,6 +28,7 @@ import types
 import cloudpickle
 import zmq
 
+from .. import config
 from . import extensions as _extensions
 
 _RCVMORE = int(zmq.RCVMORE)
@@ -124,10 +125,10 @@ class _LocalReceivers(threading.local):
 
 
 _LOCAL = _LocalReceivers()
-LARGE_TENSOR_BYTES = int(os.environ.get("MONARCH_KERNEL_SHM_TENSOR_BYTES", str(1 << 20)))
+LARGE_TENSOR_BYTES = config.SHM_TENSOR_BYTES.get()
 
 
-SHM_TENSORS = os.environ.get("MONARCH_KERNEL_SHM_TENSORS", "1") != "0"
+SHM_TENSORS = config.SHM_TENSORS.get()
 # (tensor, receivers) -> a pickle reduction, or None for the socket path. Set by the rdma
 # feature through extensions.register_large_tensor_hook (kept None with MONARCH_KERNEL_SHM_TENSORS=0).
 LARGE_TENSOR_HOOK = _extensions.large_tensor_hook() if SHM_TENSORS else None
@@ -283,7 +284,7 @@ STAMP_SIZE = 8 + 8 + 8 + 8   # sender id, sequence number, send time (ms), desti
 _PREFIX = 8 + MAC_SIZE + STAMP_SIZE   # key id + MAC + stamp, in front of the header
 _STAMP = struct.Struct("<8sQQ8s")
 REPLAY_WINDOW = 1024     # a sender's messages to one socket may arrive this far out of order
-MAX_AGE_S = float(os.environ.get("MONARCH_KERNEL_MAX_MESSAGE_AGE_S", "300"))   # clock skew + queueing
+MAX_AGE_S = config.MAX_MESSAGE_AGE_S.get()   # clock skew + queueing
 _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 _LEN8 = struct.Struct("<Q").pack
 
@@ -446,6 +447,7 @@ class Keyring:
         return kid
 
     def any_key(self) -> bytes:
+        """A key this process trusts (to sign a message to itself); KeyError if none."""
         return next(iter(self._keys.values()))
 
     def accept(self, where: str, *dests: bytes) -> None:

@@ -281,4 +281,4 @@ def install_console(reg: DebugRegistry) -> None:
         if c is not None and c.reg is reg and c.wanted():
             c.run()   # even with the widget shown: a thread blocked in get() cannot serve it
 
-    reg.rt.wait_hook = (main, hook)
+    reg.rt.set_wait_hook((main, hook))

@@ -5,7 +5,7 @@
     %mesh debug dap off      back to the kernel's own process
     %mesh debug dap          which process the panel drives
 
-How it fits together:
+How it fits together (this module is the kernel half; dap_worker.py the worker half):
   * worker: ``DapServer`` (an actor spawned on the chosen rank only, as ``__dap_<rank>__``)
     starts ``debugpy.listen`` with the debug adapter in the proc itself (no adapter
     subprocess to orphan) on the proc's bind address. Its ``listen`` endpoint runs on the
@@ -39,7 +39,7 @@ import re
 import threading
 from typing import NamedTuple
 
-from monarch_kernel.core.actors import Actor, endpoint
+from .dap_worker import DapServer
 
 try:
     from ipykernel.debugger import Debugger, DebugpyClient, DebugpyMessageQueue
@@ -48,53 +48,6 @@ except ImportError:   # a plain script without ipykernel: the worker half still 
 
 ANSWER_TIMEOUT_S = 15.0   # a DAP request the rank does not answer in this long fails
 WORKER_SKIP_MODULES = ("monarch_kernel", "workers", "zmq", "cloudpickle", "debugpy")
-
-
-# ============================================================================ worker side
-_LISTENING: tuple[str, int] | None = None
-
-
-class DapServer(Actor):
-    """On one rank: debugpy for JupyterLab's debugger, and the cell sources it needs."""
-
-    def __init__(self):
-        import monarch_kernel.node.proc as proc_mod
-
-        w = proc_mod.WORKER
-        if w is not None:
-            w.rt.handlers["dap_src"] = _write_source
-
-    @endpoint
-    def listen(self, host: str) -> int:
-        """Start debugpy here (once per proc) and return its port."""
-        global _LISTENING
-        if _LISTENING is None:
-            os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")   # frozen-modules notice
-            main = threading.main_thread()
-            for t in threading.enumerate():
-                if t is not main:   # the proc's own threads must never stop at a breakpoint
-                    t.pydev_do_not_trace = True
-            import debugpy
-
-            _LISTENING = debugpy.listen((host, 0), in_process_debug_adapter=True)
-        return int(_LISTENING[1])
-
-
-def _write_source(msg) -> None:
-    """I/O thread: ``("dap_src", path, text)``: the cell file debugpy checks breakpoints against."""
-    _, path, text = msg
-    try:
-        try:
-            with open(path, encoding="utf-8") as f:
-                if f.read() == text:
-                    return
-        except OSError:
-            pass
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError:
-        pass   # the breakpoint then shows unverified in the panel
 
 
 # ============================================================================ kernel side

@@ -75,7 +75,7 @@ class DebugRegistry:
         self.listeners: list[Callable[[str, PausedSession], None]] = []
         self.quiet = 0    # >0 while a UI command runs: the console must not open then
         self.view_fn: Callable[[], MeshView | None] = lambda: None   # the notebook's mesh
-        rt.handlers["dbg"] = self.on_message
+        rt.on_message("dbg", self.on_message, replace=True)   # this runtime's registry takes over
 
     # ---------------------------------------------------------------- inbox (any thread)
     def on_message(self, msg) -> None:
@@ -102,7 +102,7 @@ class DebugRegistry:
                 del self.sessions[key]
             self.cond.notify_all()
         if new:
-            self.rt.wait_hook_due = True   # a thread blocked in get() opens the console
+            self.rt.want_wait_hook()   # a thread blocked in get() opens the console
         for fn in list(self.listeners):
             try:
                 fn(event, s)

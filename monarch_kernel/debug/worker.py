@@ -151,8 +151,8 @@ class RemoteDebugger:
         self.post_mortem_on = False
         self.what = ""
         rt = worker.rt
-        rt.handlers["dbg_in"] = self._on_input
-        rt.handlers["dbg_pm"] = self._on_post_mortem
+        rt.on_message("dbg_in", self._on_input, replace=True)
+        rt.on_message("dbg_pm", self._on_post_mortem, replace=True)
 
     # ------------------------------------------------------------ I/O thread
     def _on_input(self, msg) -> None:

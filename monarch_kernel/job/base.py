@@ -90,12 +90,17 @@ class JobTrait(ABC):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"meshes[{k!r}] must be a positive number of hosts, got {v!r}")
         self._meshes = dict(meshes)
-        self.lease = float(lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
+        self._lease = float(lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
+        #: the user asked for a lease: the hosts are to outlive this process by choice
+        self._lease_chosen = lease is not None
         self._name = check_name(name) if name else None
         self._handle: dict | None = None      # the scheduler's id for the allocation
         self._key: bytes | None = None
         self._agents: list[dict] = []         # {"addr", "host", "pid", "mesh", "rank"}
         self._hosts: dict[str, HostMesh] = {}
+        #: where this object's allocation is cached: set by state() and job_load(); None
+        #: while nothing was applied, or for state(cached_path=None)
+        self._cache: Path | None = None
 
     # ------------------------------------------------------------------ what subclasses give
     def spec(self) -> dict:
@@ -130,6 +135,17 @@ class JobTrait(ABC):
         return self._name or f"{self.kind}-{self._spec_digest()}"
 
     @property
+    def lease(self) -> float:
+        """Seconds the hosts wait with no controller attached before they end."""
+        return self._lease
+
+    @lease.setter
+    def lease(self, seconds: float) -> None:
+        """Choose the lease (``%mesh connect --lease`` does): the hosts are then meant to
+        outlive this process for that long, even when it gets a SIGTERM."""
+        self._lease, self._lease_chosen = float(seconds), True
+
+    @property
     def job_id(self) -> str | None:
         return (self._handle or {}).get("id")
 
@@ -159,6 +175,10 @@ class JobTrait(ABC):
             if not renew:
                 raise self._gone_error(reason)
         path = connection_path(self.name) if cached_path is CACHE else Path(cached_path) if cached_path else None
+        if self._handle is None:
+            self._cache = path
+        else:
+            path = self._cache   # an applied job stays where it was cached (or uncached)
         if self._handle is None and path is not None:
             rec = _read(path)
             if rec is not None:
@@ -189,8 +209,14 @@ class JobTrait(ABC):
         return self._attach()
 
     def kill(self) -> None:
-        """End procs and agents and release the allocation; afterwards nothing of the job
-        is left queued or running, and its cache is removed."""
+        """End procs and agents and release the allocation this object holds (one it asked
+        for or re-attached to with ``state()``, or loaded with ``job_load()``); afterwards
+        nothing of it is left queued or running, and its cache is removed.
+
+        A job object that was never applied holds nothing, so its ``kill()`` releases
+        nothing, even when a job of the same name and spec is cached by another process:
+        that one is released with ``job_load(path).kill()`` or ``%mesh stop NAME``
+        (a warning says so)."""
         for hm in self._hosts.values():
             try:
                 hm.shutdown()
@@ -198,12 +224,19 @@ class JobTrait(ABC):
                 log.warning("shutting down %s: %s", hm.name, e)
         self._hosts = {}
         if self._handle is None:
-            rec = _read(connection_path(self.name))
-            if rec is not None:
-                self._adopt(rec, connection_path(self.name))
-        if self._handle is not None:
-            self._release()
-        self._reset(connection_path(self.name))
+            cached = connection_path(self.name)
+            rec = _read(cached) if cached.exists() else None
+            if rec is not None and rec.get("job"):
+                import warnings
+
+                cached_id = (rec["job"].get("handle") or {}).get("id")
+                warnings.warn(f"{type(self).__name__} {self.name!r} was never applied in this process, so kill() "
+                              f"released nothing; the job cached at {cached} (id {cached_id}) "
+                              f"was started elsewhere: job_load({str(cached)!r}).kill() or `%mesh stop {self.name}` "
+                              "releases it", UserWarning, stacklevel=2)
+            return
+        self._release()
+        self._reset(self._cache)
 
     def disconnect(self) -> None:
         """Let go of the meshes and leave the allocation running (re-attach with state())."""
@@ -227,7 +260,8 @@ class JobTrait(ABC):
                 "agents": [{k: a.get(k) for k in ("addr", "host", "pid", "mesh", "rank")} for a in self._agents],
                 "persistent": True, "lease": self.lease,
                 "job": {"kind": self.kind, "class": f"{type(self).__module__}.{type(self).__qualname__}",
-                        "spec": self.spec(), "handle": self._handle, "created": time.time()}}
+                        "spec": self.spec(), "handle": self._handle, "created": time.time(),
+                        "lease_chosen": self._lease_chosen}}
 
     def _adopt(self, rec: dict, path: Path) -> None:
         job = rec.get("job") or {}
@@ -326,4 +360,6 @@ def job_load(path: str | Path) -> JobTrait:
     klass = getattr(importlib.import_module(mod), cls)
     obj = klass._from_spec(job["spec"], name=rec["name"], lease=rec.get("lease"))
     obj._adopt(rec, Path(path))
+    obj._cache = Path(path)
+    obj._lease_chosen = bool(job.get("lease_chosen", True))
     return obj

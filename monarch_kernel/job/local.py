@@ -4,15 +4,29 @@
 own process (as Monarch's examples use local subprocess hosts to stand for machines), so
 a two-host program runs unchanged on a laptop. ``LocalJob()`` is what ``%mesh connect``
 does: one agent per mesh, dims without a "hosts" dim.
+
+How long the agent processes live (they are what holds the procs and actors):
+- ``state(cached_path=None)``: nothing can re-attach, so they are private to this process
+  and end with it, however it ends (they watch its pid).
+- cached (the default): a later process can re-attach, so they outlive a crash or a
+  kernel restart until their lease. But a SIGTERM to the process that started them
+  (``kill <pid>``, a batch system ending the script) ends them too, unless the user chose
+  the persistence by giving a lease (``ProcessJob(..., lease=7200)``,
+  ``%mesh connect --lease 2h``): then they wait out that lease for a re-attach.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 import time
+import weakref
 
 from ..launch.local import start_local_agent
 from .base import JobTrait, Progress
+
+log = logging.getLogger("monarch_kernel.job")
 
 
 def _alive(pid: int) -> bool:
@@ -41,14 +55,17 @@ class ProcessJob(JobTrait):
         self._handle = {"id": f"local-{os.getpid()}-{int(time.time())}", "pids": []}
         agents = []
         total = sum(self._meshes.values())
+        private = self._cache is None   # state(cached_path=None): nobody can re-attach
         for mesh, n in self._meshes.items():
             for rank in range(n):
                 progress(f"starting host agent {len(agents) + 1}/{total}")
-                agent, proc = start_local_agent(key, name=f"{self.name}.{mesh}.{rank}", persistent=True,
+                agent, proc = start_local_agent(key, name=f"{self.name}.{mesh}.{rank}", persistent=not private,
                                                 lease=self.lease, env=self.env)
                 self._popen.append(proc)
                 self._handle["pids"].append(agent["pid"])
                 agents.append({**agent, "mesh": mesh, "rank": rank})
+        if not private and not self._lease_chosen:
+            _end_on_sigterm(self)
         return agents
 
     def _gone_reason(self) -> str | None:
@@ -73,6 +90,10 @@ class ProcessJob(JobTrait):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._reap(wait=True)
+
+    def kill(self) -> None:
+        _ENDED_ON_SIGTERM.discard(self)
+        super().kill()
 
     def _reap(self, wait: bool = False) -> None:
         for p in list(self._popen):
@@ -104,3 +125,40 @@ class LocalJob(ProcessJob):
 
     def spec(self) -> dict:
         return {"hosts": list(self._names)}
+
+
+# ---------------------------------------------------------------------- SIGTERM
+_ENDED_ON_SIGTERM: weakref.WeakSet = weakref.WeakSet()   # jobs whose agents end with this process
+_previous_handler: list = []                             # the SIGTERM handler ours replaced
+
+
+def _end_on_sigterm(job: ProcessJob) -> None:
+    """On SIGTERM, end ``job``'s agents before this process goes (then do what SIGTERM did
+    before: the default action, or the handler that was installed)."""
+    _ENDED_ON_SIGTERM.add(job)
+    if _previous_handler:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("job %s started off the main thread: its agents will not end on SIGTERM, only "
+                    "after their lease", job.name)
+        return
+    _previous_handler.append(signal.getsignal(signal.SIGTERM))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    for job in list(_ENDED_ON_SIGTERM):
+        if job._lease_chosen:   # chosen after state() (job.lease = ..., %mesh connect --lease)
+            continue
+        try:
+            job._release()
+            job._reset(job._cache)
+        except Exception as e:   # the process is going anyway: say what is left
+            log.warning("ending the agents of job %s on SIGTERM: %s", job.name, e)
+    _ENDED_ON_SIGTERM.clear()
+    previous = _previous_handler.pop() if _previous_handler else signal.SIG_DFL
+    signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        os.kill(os.getpid(), signal.SIGTERM)

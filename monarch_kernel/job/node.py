@@ -19,14 +19,20 @@ connection (a kernel restart must not end it) and logs to
 """
 from __future__ import annotations
 
-import argparse
-import os
-import signal
-import socket
-import subprocess
-import sys
+import time
 
-from .rendezvous import route_ip, send_report
+STARTED = time.time()   # reported, so a benchmark can say where the time to a first reply goes
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from monarch_kernel import config  # noqa: E402  (stdlib only)
+
+from .rendezvous import Reporter, route_ip  # noqa: E402  (stdlib only until a Reporter is made)
 
 READY = "MONARCH_AGENT_READY "
 
@@ -36,6 +42,13 @@ def rank_from_env() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
+
+
+def _batch_started(text: str) -> dict:
+    try:   # a date(1) without %N gives "1700000000.N": then the figure is left out
+        return {"batch_started": float(text)}
+    except ValueError:
+        return {}
 
 
 def main(argv=None) -> int:
@@ -48,15 +61,20 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=None, help="this host's rank (default: from the scheduler)")
     p.add_argument("--key-stdin", action="store_true", help="read the key (hex) from the first line of stdin")
     p.add_argument("--detach", action="store_true", help="exit once the agent is up; it keeps running")
+    p.add_argument("--batch-started", default="",
+                   help="when the batch script started (Slurm's `date +%%s.%%N`), for the timing in the report")
     a = p.parse_args(argv)
     if a.key_stdin:
-        os.environ["MONARCH_KERNEL_KEY"] = sys.stdin.readline().strip()
-    key_hex = os.environ.get("MONARCH_KERNEL_KEY", "")
+        os.environ[config.KEY.env] = sys.stdin.readline().strip()
+    try:
+        key_hex = config.KEY.get()
+    except config.ConfigError as e:
+        sys.exit(f"monarch_kernel.job.node: {e}")
     if not key_hex:
         sys.exit("monarch_kernel.job.node: no key: set MONARCH_KERNEL_KEY or pass it on stdin with --key-stdin")
     key = bytes.fromhex(key_hex)
     ctl_host = a.report.split("://", 1)[-1].rsplit(":", 1)[0]
-    bind = os.environ.get("MONARCH_KERNEL_BIND") or route_ip(ctl_host)
+    bind = config.BIND.get() or route_ip(ctl_host)
     rank = a.rank if a.rank is not None else rank_from_env()
     report = {"token": a.token, "rank": rank, "host": socket.gethostname(), "node_pid": os.getpid()}
     args = [sys.executable, "-m", "monarch_kernel.node.agent", "--bind", bind, "--persistent", "--lease", str(a.lease),
@@ -65,11 +83,12 @@ def main(argv=None) -> int:
         args += ["--port", str(a.port)]
     err_to = subprocess.PIPE
     if a.detach:
-        logs = os.path.join(os.environ.get("MONARCH_KERNEL_HOME") or os.path.expanduser("~/.monarch_kernel"), "logs")
+        logs = os.path.join(config.HOME.get(), "logs")
         os.makedirs(logs, mode=0o700, exist_ok=True)
         err_to = open(os.path.join(logs, f"{a.name}.{rank}.log"), "ab")
     agent = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_to,
                              start_new_session=a.detach)
+    reporter = Reporter(a.report)   # connects while the agent starts
     line = agent.stdout.readline().decode(errors="replace").strip()
     if not line.startswith(READY):
         agent.kill()
@@ -80,10 +99,11 @@ def main(argv=None) -> int:
                 err = f.read()
         tail = "\n".join(err.decode(errors="replace").strip().splitlines()[-15:])
         report["error"] = f"the host agent did not start on {report['host']} (exit {agent.returncode}): {tail}"
-        send_report(a.report, key, report)
+        reporter.send(key, report)
         return 1
-    report.update(addr=line[len(READY):], pid=agent.pid)
-    send_report(a.report, key, report)
+    report.update(addr=line[len(READY):], pid=agent.pid, t={"node_started": STARTED, "agent_ready": time.time(),
+                                                           **_batch_started(a.batch_started)})
+    reporter.send(key, report)
     if a.detach:
         agent.stdout.close()
         return 0

@@ -10,10 +10,10 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import socket
+import time
 
-import zmq
+from monarch_kernel import config
 
 log = logging.getLogger("monarch_kernel.job")
 
@@ -37,27 +37,36 @@ def route_ip(target: str) -> str:
 
 def controller_ip(towards: str) -> str:
     """The address the controller listens on for a job whose hosts sit at ``towards``."""
-    return os.environ.get("MONARCH_KERNEL_BIND") or route_ip(towards)
+    return config.BIND.get() or route_ip(towards)
 
 
 def _sign(key: bytes, body: bytes) -> bytes:
     return hmac.new(key, body, hashlib.sha256).hexdigest().encode()
 
 
-def send_report(addr: str, key: bytes, report: dict, timeout: float = 30.0) -> None:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, int(timeout * 1000))
-    s.connect(addr)
-    body = json.dumps(report).encode()
-    s.send_multipart([body, _sign(key, body)])
-    s.close()
+class Reporter:
+    """The node end: connect to the controller's rendezvous now (zmq and the TCP handshake
+    cost a little), send one signed report later."""
+
+    def __init__(self, addr: str, timeout: float = 30.0):
+        import zmq  # here, not at the top: a node starts its agent before paying for zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, int(timeout * 1000))
+        self.sock.connect(addr)
+
+    def send(self, key: bytes, report: dict) -> None:
+        body = json.dumps(report).encode()
+        self.sock.send_multipart([body, _sign(key, body)])
+        self.sock.close()   # lingers until the report is out (or the timeout)
 
 
 class Rendezvous:
     """The controller end: bind on ``host``, collect the reports of one job (``token``)."""
 
     def __init__(self, host: str, key: bytes, token: str):
+        import zmq
+
         self.key, self.token = key, token
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PULL)
@@ -81,6 +90,8 @@ class Rendezvous:
             except ValueError:
                 continue
             if isinstance(rep, dict) and rep.get("token") == self.token:
+                if isinstance(rep.get("t"), dict):
+                    rep["t"]["reported"] = time.time()
                 out.append(rep)
         return out
 

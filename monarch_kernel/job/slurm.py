@@ -16,6 +16,9 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+from monarch_kernel import config
 
 from ..core.runtime import runtime
 from .base import JobError, JobGoneError, JobTrait, Progress
@@ -82,7 +85,8 @@ class SlurmJob(JobTrait):
         node = [self.python_exe, "-m", "monarch_kernel.job.node", "--report", report, "--token", token,
                 "--lease", str(self.lease), "--name", self.name]
         return ("#!/bin/sh\n# monarch-kernel: one host agent per node; the job ends when they do.\n"
-                f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(node)}\n")
+                f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(node)} "
+                '--batch-started "$(date +%s.%N)"\n')
 
     def _create(self, key: bytes, progress: Progress) -> list[dict]:
         total = sum(self._meshes.values())
@@ -93,64 +97,75 @@ class SlurmJob(JobTrait):
         rv = Rendezvous(ip, key, token)
         try:
             env = dict(os.environ, MONARCH_KERNEL_KEY=key.hex())
+            submitted = time.time()
             r = _run(self.sbatch_args(), input=self.batch_script(rv.address, token), env=env)
             if r.returncode != 0:
                 raise JobError(f"sbatch refused job {self.name!r}: {r.stderr.strip() or r.stdout.strip()}")
             job_id = r.stdout.strip().split(";")[0]
             self._handle = {"id": job_id}
             progress(f"slurm job {job_id}: submitted")
-            return self._wait_for_agents(rv, total, progress)
+            return self._wait_for_agents(rv, total, progress, submitted)
         finally:
             rv.close()
 
-    def _wait_for_agents(self, rv: Rendezvous, total: int, progress: Progress) -> list[dict]:
+    def _wait_for_agents(self, rv: Rendezvous, total: int, progress: Progress, submitted: float) -> list[dict]:
+        """Collect the nodes' reports as they come, while squeue (on a thread, so a slow
+        squeue never holds a report back) says what the job is doing."""
         start = time.monotonic()
         reports: dict[int, dict] = {}
-        last_check, last_line, st = 0.0, "", {}
-        while len(reports) < total:
-            for rep in rv.poll(0.1):
-                if rep.get("error"):
-                    raise JobError(f"slurm job {self.job_id}: {rep['error']}")
-                reports[int(rep["rank"])] = rep
-            now = time.monotonic()
-            if now - last_check >= 0.5 or not st:
-                last_check = now
-                st = self._squeue()
-                if st is None:
-                    raise JobGoneError(f"slurm job {self.job_id} ended before its agents started (see its log: "
-                                       f"{self.log_dir or 'pass log_dir= to keep one'})")
-                if st["state"] not in _RUNNING | _WAITING:
-                    raise JobGoneError(f"slurm job {self.job_id} is {st['state']} ({st['reason']}) before its "
-                                       "agents started")
-            if st["state"] in _WAITING and st["reason"] in _NEVER:
-                raise JobError(f"slurm job {self.job_id} cannot start as asked ({st['reason']}: more nodes, time or "
-                               "resources than the partition allows?); it was cancelled")
-            if st["state"] in _WAITING:
-                why = f" ({st['reason']})" if st["reason"] not in ("", "None") else ""
-                line = f"slurm job {self.job_id}: queued{why}"
-                waited = now - start
-                if self.job_start_timeout is not None and waited > self.job_start_timeout:
-                    raise JobError(f"slurm job {self.job_id} was still pending after {self.job_start_timeout:g} s "
-                                   f"({st['reason']}); it was cancelled. Raise job_start_timeout or ask for "
-                                   "fewer or other nodes")
-            else:
-                line = f"slurm job {self.job_id}: running on {st['nodes']}; nodes up {len(reports)}/{total}"
-            if line != last_line:
-                progress(line)
-                last_line = line
+        last_line, st = "", {}
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="monarch-squeue")
+        try:
+            asked, asked_at = pool.submit(self._squeue), time.monotonic()
+            while len(reports) < total:
+                for rep in rv.poll(0.05):
+                    if rep.get("error"):
+                        raise JobError(f"slurm job {self.job_id}: {rep['error']}")
+                    reports[int(rep["rank"])] = rep
+                now = time.monotonic()
+                if asked is not None and asked.done():
+                    st = asked.result()   # JobError: Slurm unreachable
+                    asked = None
+                    if st is None:
+                        raise JobGoneError(f"slurm job {self.job_id} ended before its agents started (see its log: "
+                                           f"{self.log_dir or 'pass log_dir= to keep one'})")
+                    if st["state"] not in _RUNNING | _WAITING:
+                        raise JobGoneError(f"slurm job {self.job_id} is {st['state']} ({st['reason']}) before its "
+                                           "agents started")
+                    if st["state"] in _WAITING and st["reason"] in _NEVER:
+                        raise JobError(f"slurm job {self.job_id} cannot start as asked ({st['reason']}: more nodes, "
+                                       "time or resources than the partition allows?); it was cancelled")
+                if asked is None and now - asked_at >= 0.5:
+                    asked, asked_at = pool.submit(self._squeue), now
+                if not st:
+                    continue
+                if st["state"] in _WAITING:
+                    why = f" ({st['reason']})" if st["reason"] not in ("", "None") else ""
+                    line = f"slurm job {self.job_id}: queued{why}"
+                    if self.job_start_timeout is not None and now - start > self.job_start_timeout:
+                        raise JobError(f"slurm job {self.job_id} was still pending after {self.job_start_timeout:g} s "
+                                       f"({st['reason']}); it was cancelled. Raise job_start_timeout or ask for "
+                                       "fewer or other nodes")
+                else:
+                    line = f"slurm job {self.job_id}: running on {st['nodes']}; nodes up {len(reports)}/{total}"
+                if line != last_line:
+                    progress(line)
+                    last_line = line
+        finally:
+            pool.shutdown(wait=False)   # an squeue still running ends on its own; nobody waits for it
         agents = []
         ranks = sorted(reports)
         for mesh, n in self._meshes.items():
             for i in range(n):
                 rep = reports[ranks[len(agents)]]
                 agents.append({"addr": rep["addr"], "host": rep["host"], "pid": rep["pid"], "mesh": mesh,
-                               "rank": i})
+                               "rank": i, "t": {"submitted": submitted, **(rep.get("t") or {})}})
         return agents
 
     def _node_address(self) -> str:
         """An address of one of the partition's nodes: the kernel listens where it routes."""
-        if os.environ.get("MONARCH_KERNEL_BIND"):
-            return os.environ["MONARCH_KERNEL_BIND"]
+        if config.BIND.get():
+            return config.BIND.get()
         r = _run(["sinfo", "-h", "-N", "-o", "%o", *([f"--partition={self.partition}"] if self.partition else [])])
         addrs = r.stdout.split() if r.returncode == 0 else []
         if not addrs:   # no such partition: any node will do; sbatch then says what is wrong

@@ -1,5 +1,10 @@
 """The Jupyter face of monarch-kernel: the kernel, the %mesh / %%on_mesh magics, reprs.
 
-``cells.py`` is the one module here that runs on workers (the cell runner actor); it
-imports nothing from Jupyter.
+Everything here runs in the kernel. What runs on the procs for a notebook (the cell
+runner, a rank's ``display()``, its matplotlib backend) lives in ``monarch_kernel/node/``;
+their old names here (``monarch_kernel.jupyter.cells.NAMESPACE``, which notebooks read)
+still work as aliases (``monarch_kernel/moved.py``).
 """
+from .. import moved
+
+moved.install()

@@ -4,16 +4,14 @@ On 256 ranks a cell that takes a while says nothing until its slowest rank answe
 progress line (``[on_mesh] 250/256 ranks done, 6 running, 0 failed, 3.2 s``) is one
 display, updated in place while the cell runs (``output.CellCapture.poll``), and replaced by
 the summary when it ends, so a saved notebook keeps one line. Cells on fewer than
-``MIN_RANKS`` ranks (``MONARCH_KERNEL_PROGRESS_RANKS``) show neither: their output already
+``MONARCH_KERNEL_PROGRESS_RANKS`` (8) ranks show neither: their output already
 names every rank.
 """
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
-MIN_RANKS = int(os.environ.get("MONARCH_KERNEL_PROGRESS_RANKS", "8"))
 SHOW_AFTER_S = 1.0    # a cell quicker than this shows only the summary
 EVERY_S = 0.5
 
@@ -52,7 +50,7 @@ class CellProgress:
         """(ranks that answered, ranks still running, ranks that failed: raised or died)."""
         from ..core.errors import ActorError
         from ..core.runtime import runtime
-        from .cells import CellFailure
+        from ..node.cells import CellFailure
 
         rt = runtime()
         fut, n = self.run.future, len(self.run.ranks)

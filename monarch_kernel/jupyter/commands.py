@@ -31,7 +31,8 @@ def _per_host(text: str) -> dict:
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
                       usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
-                            "[--lease DURATION]")
+                            "[--lease DURATION] [--job VAR | --slurm ARGS | --ssh HOSTS | --k8s NS --image IMAGE "
+                            "[--replicas N]] [--mesh MESH]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
                                              f"{default_mesh_name()!r})")
 _size = CONNECT.add_mutually_exclusive_group()
@@ -44,13 +45,16 @@ CONNECT.add_argument("--lease", metavar="DURATION",
                      help="keep the mesh this long with no notebook attached (90s, 15m, 2h; default 1h)")
 _where = CONNECT.add_mutually_exclusive_group()
 _where.add_argument("--job", metavar="VAR", help="hosts from a monarch_kernel.job job in notebook variable VAR "
-                                                 "(its first mesh)")
+                                                 "(the cells run on its first mesh, or the one --mesh names)")
 _where.add_argument("--slurm", metavar='"SBATCH ARGS"', help='hosts from a Slurm allocation, e.g. --slurm "-N 2 '
                                                              '-p gpu --gpus-per-node 8"')
 _where.add_argument("--k8s", metavar="NAMESPACE", help="pods in a Kubernetes namespace (with --image and "
                                                         "--replicas; your kubeconfig)")
 CONNECT.add_argument("--image", metavar="IMAGE", help="--k8s: the pods' image (with this project installed)")
 CONNECT.add_argument("--replicas", type=int, metavar="N", help="--k8s: number of pods (hosts), default 1")
+CONNECT.add_argument("--mesh", metavar="MESH", dest="job_mesh",
+                     help="which of the job's meshes the cells run on (default: its first); the others stay "
+                          "reachable as job.state().MESH")
 _where.add_argument("--ssh", metavar="HOST,HOST", help="an agent on each host over ssh (your ssh config and keys), "
                                                        "e.g. --ssh gpu1,alice@gpu2:2222")
 
@@ -68,7 +72,8 @@ def connect(ctx, args):
     progress = ConnectProgress(ctx)
     try:
         pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=progress.update, job=job,
-                                          job_progress=job_progress() if job is not None else None)
+                                          job_progress=job_progress() if job is not None else None,
+                                          job_mesh=args.job_mesh)
     except BaseException:
         progress.done()
         raise
@@ -79,7 +84,20 @@ def connect(ctx, args):
     progress.done()
     job = ctx.session.job   # also a job found under the mesh's name
     where = f" on {job.kind} job {job.job_id}" if job is not None else ""
+    others = [m for m in job.meshes if m != ctx.session.job_mesh] if job is not None else []
+    if others:
+        where = f" on mesh {ctx.session.job_mesh!r} of {job.kind} job {job.job_id}"
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
+    if others:
+        ns = ctx.shell.user_ns
+        var = args.job
+        mine = ns.get("job", None)
+        if var is None and (mine is None or mine is job):
+            ns["job"] = job   # as `mesh`: the job, to reach its other meshes from Python
+            var = "job"
+        python = f"`{var}.state().{others[0]}` in Python; " if var else ""
+        print(f"the job's other meshes: {', '.join(others)} ({python}"
+              f"`%mesh connect {name} --mesh {others[0]}` runs the cells there)")
     dead = pm.dead_ranks()
     if dead:
         print(f"{rank_ranges(dead)} died while no notebook was attached: `mesh.respawn()` replaces them")
@@ -203,7 +221,7 @@ def _status_table(ctx, procs) -> Table:
     if ctx.session.job is not None:
         from .jobs import describe_job
 
-        title += f"; {describe_job(ctx.session.job)}"
+        title += f"; {describe_job(ctx.session.job, ctx.session.job_mesh)}"
     return Table(title, head, rows, note)
 
 

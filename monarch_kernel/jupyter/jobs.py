@@ -109,15 +109,17 @@ def job_progress():
     return update
 
 
-def describe_job(job) -> str:
-    """``slurm job 12 (RUNNING on n[1-2], time left 59:40)`` for ``%mesh status``."""
+def describe_job(job, mesh: str | None = None) -> str:
+    """``slurm job 12 (RUNNING on n[1-2], time left 59:40)`` for ``%mesh status``; for a
+    job of several meshes, which one the cells run on: ``..., mesh 'trainers' of trainers, loaders``."""
+    of = f", mesh {mesh!r} of {', '.join(job.meshes)}" if mesh and len(job.meshes) > 1 else ""
     try:
         d = job.describe()
     except Exception as e:   # the scheduler may be unreachable; status still shows the procs
-        return f"{job.kind} job {job.job_id} (state unknown: {e})"
+        return f"{job.kind} job {job.job_id} (state unknown: {e}){of}"
     extra = [d[k] for k in ("state",) if d.get(k)]
     if d.get("nodes"):
         extra.append(f"on {d['nodes']}")
     if d.get("time left"):
         extra.append(f"time left {d['time left']}")
-    return f"{d.get('scheduler', job.kind)} job {d.get('id')}" + (f" ({' '.join(extra)})" if extra else "")
+    return f"{d.get('scheduler', job.kind)} job {d.get('id')}" + (f" ({' '.join(extra)})" if extra else "") + of

@@ -11,10 +11,10 @@ shown become a line of text (transient.py).
 """
 from __future__ import annotations
 
-import os
-
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Type
+
+from monarch_kernel import config
 
 from .. import __version__
 from .session import session
@@ -34,7 +34,12 @@ class MonarchKernel(IPythonKernel):
         super().__init__(**kwargs)
         self._cells_running = 0
         self.shell.extension_manager.load_extension("monarch_kernel")
-        if os.environ.get("MONARCH_KERNEL_PREWARM", "1") != "0":
+        try:
+            prewarm = config.PREWARM.get()
+        except config.ConfigError as e:   # the kernel still starts; %mesh connect works without it
+            self.log.warning("not starting the default mesh's agent ahead of time: %s", e)
+            prewarm = False
+        if prewarm:
             session().prewarm()
 
     async def execute_request(self, stream, ident, parent):

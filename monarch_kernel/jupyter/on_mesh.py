@@ -23,11 +23,13 @@ import itertools
 import time
 from collections.abc import Callable
 
+from monarch_kernel import config
+
 from ..core.errors import ActorError, SupervisionError
 from ..core.mesh import ActorMesh, ProcMesh
 from ..core.shape import MeshView, parse_rank_spec
-from .cell_progress import MIN_RANKS, CellProgress
-from .cells import CellFailure
+from ..node.cells import CellFailure
+from .cell_progress import CellProgress
 from .display import CellInterrupted, CellValues, cell_error
 from .text_output import OutputOptions
 
@@ -101,7 +103,7 @@ class _Run:
         self.reason = ""
         self.debugger_widget = None   # set by the debugger's wait hook when it opens one here
         self._last_interrupt = 0.0
-        if capture is not None and len(self.ranks) >= MIN_RANKS:
+        if capture is not None and len(self.ranks) >= config.PROGRESS_RANKS.get():
             capture.progress = CellProgress(self, capture.router, capture.parent)
 
     def interrupt(self, reason: str) -> None:
@@ -160,7 +162,7 @@ class _Run:
         from ..core.runtime import runtime
 
         rt = runtime()
-        hook, rt.wait_hook = rt.wait_hook, None   # a pause is this cell's wait hooks' to handle
+        hook = rt.set_wait_hook(None)   # a pause is this cell's wait hooks' to handle
         try:
             return self.future.get(FAST_WAIT_S)
         except TimeoutError:
@@ -169,7 +171,7 @@ class _Run:
             self.interrupt("was interrupted")
         finally:
             if rt.wait_hook is None:
-                rt.wait_hook = hook
+                rt.set_wait_hook(hook)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -240,9 +242,7 @@ def values_after_death(run: _Run, err: SupervisionError) -> list | None:
 
 
 def _hold_s() -> float:
-    from . import output
-
-    return output.HOLD_S
+    return config.HOLD_S.get()
 
 
 def outcome(run: _Run, values) -> CellValues:

@@ -2,10 +2,10 @@
 
 Workers send ``("out", rank, stream, text)`` and ``("display", rank, data, metadata)``
 to the controller's inbox; the runtime's I/O thread hands them to ``OutputRouter``
-(``rt.output`` and ``rt.handlers["display"]``).
+(``rt.output`` and ``rt.on_message("display", ...)``).
 
 While an ``%%on_mesh`` cell runs, its output is first *held* and, when the cell ends
-within ``HOLD_S``, written in rank order (rank 0's lines, then rank 1's, ...): the
+within ``MONARCH_KERNEL_HOLD_S`` (1 s), written in rank order (rank 0's lines, then rank 1's, ...): the
 cell's output is then the same on every run, which is what nbval compares. A cell that
 runs longer switches to *live*: what was held is written in arrival order, and every
 later line is written at once, from the I/O thread, under the cell's parent header
@@ -17,15 +17,12 @@ output, a grid or tabs (rank_grid.py); text stays in the stream.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import uuid
 
 from .rank_grid import grid_bundle, is_rich
 from .text_output import SKIPPED, OutputOptions, TextLimits, collate, label, merge, split_lines
-
-HOLD_S = float(os.environ.get("MONARCH_KERNEL_HOLD_S", "1.0"))
 
 
 def label_lines(rank: int, text: str) -> str:
@@ -224,7 +221,7 @@ class OutputRouter:
 
     def install(self, rt) -> None:
         rt.output = self.on_output
-        rt.handlers["display"] = self.on_display
+        rt.on_message("display", self.on_display, replace=True)   # the kernel's current router
 
     # ---------------------------------------------------------------- I/O thread
     def on_output(self, rank: int, stream: str, text: str) -> None:

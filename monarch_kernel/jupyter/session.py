@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 
+from monarch_kernel import config
+
 from ..core import hosts as hosts_mod
 from ..core.connection import agent_alive, read_connection_file
 from ..core.errors import MeshGoneError
@@ -37,7 +39,7 @@ def default_mesh_name() -> str:
     ``default``: stable across kernel restarts, distinct for two notebooks of one name."""
     path = os.environ.get("JPY_SESSION_NAME", "")
     if not path:
-        return os.environ.get("MONARCH_KERNEL_DEFAULT_MESH", "default")
+        return config.DEFAULT_MESH.get()
     stem = re.sub(r"[^A-Za-z0-9_.-]", "-", os.path.splitext(os.path.basename(path))[0]).strip("-.")
     digest = hashlib.sha1(path.encode()).hexdigest()[:6]
     return f"{(stem or 'nb')[:40]}-{digest}"
@@ -57,6 +59,7 @@ class MeshSession:
     def __init__(self):
         self.host: HostMesh | None = None
         self.job = None            # a monarch_kernel.job JobTrait when the mesh came from a job
+        self.job_mesh: str | None = None   # which of the job's meshes the cells run on
         self.procs: ProcMesh | None = None
         self.cells: ActorMesh | None = None
         self.name: str | None = None
@@ -81,17 +84,29 @@ class MeshSession:
 
     # ------------------------------------------------------------------ connect
     def connect(self, name: str | None, procs: int | None, per_host: dict | None, lease: float | None,
-                progress=None, job=None, job_progress=None) -> tuple[ProcMesh, bool]:
+                progress=None, job=None, job_progress=None, job_mesh: str | None = None) -> tuple[ProcMesh, bool]:
         """Attach to (or start) mesh ``name`` and its notebook proc mesh; True if it was
         spawned now, False if re-attached. With ``job`` (a ``monarch_kernel.job`` job), the
-        hosts are the job's first mesh: its allocation is asked for, or re-attached to
-        when a kernel before this one asked for it."""
+        hosts are the job's mesh ``job_mesh`` (default: its first): its allocation is asked
+        for, or re-attached to when a kernel before this one asked for it. The job's other
+        meshes keep their own procs; connecting with another ``job_mesh`` moves the cells
+        there (each mesh's namespaces stay on its procs)."""
         name = name or (job.name if job is not None else default_mesh_name())
         if self._prewarm is not None:
             self._prewarm.join()
+        if job is None and self.job is not None and self.name == name:
+            job = self.job            # `%mesh connect NAME --mesh OTHER`: the same job, another mesh
         if job is None:
             job = _cached_job(name)   # `%mesh connect NAME` of a job's mesh: re-attach through the job
-        if self.host is not None and (self.name != name or job is not None):
+        if job_mesh is not None and job is None:
+            raise ValueError(f"--mesh {job_mesh} picks one of a job's meshes, but {name!r} is not a job's mesh: "
+                             "use it with --job VAR (or --slurm, --ssh, --k8s), or with the name of a job's mesh")
+        if job is not None:
+            job_mesh = job_mesh or next(iter(job.meshes))
+            if job_mesh not in job.meshes:
+                raise ValueError(f"{job.kind} job {job.name!r} has no mesh {job_mesh!r}; its meshes: "
+                                 f"{', '.join(job.meshes)} (pick one with --mesh)")
+        if self.host is not None and (self.name != name or (job is not None and job is not self.job)):
             self.disconnect()
         stale = hosts_mod._named.get(name)
         if stale is not None and not stale._detached and not host_alive(stale):
@@ -103,16 +118,18 @@ class MeshSession:
             self._prewarmed = None
         if job is not None:
             state = job.state(progress=job_progress)
-            hm = state[next(iter(job.meshes))]
+            hm = state[job_mesh]
             if lease is not None:
-                set_lease(hm, lease)
+                job.lease = lease   # chosen: the hosts outlive this kernel that long, whatever ends it
+                for mesh in state:
+                    set_lease(state[mesh], lease)
         else:
             hm = this_host(name, lease=lease)
             if lease is not None or (self._prewarmed == name and hm._process is not None):
                 set_lease(hm, lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
         if self._prewarmed == name:
             self._prewarmed = None   # it is the user's mesh now, kept on shutdown
-        self.host, self.name, self.job = hm, name, job
+        self.host, self.name, self.job, self.job_mesh = hm, name, job, job_mesh
         spawned = False
         try:
             pm = hm.proc_mesh(PROC_MESH)
@@ -133,7 +150,7 @@ class MeshSession:
         try:
             self.cells = pm.actor_mesh(CELL_ACTOR)
         except KeyError:
-            from .cells import CellRunner
+            from ..node.cells import CellRunner
 
             self.cells = pm.spawn(CELL_ACTOR, CellRunner, pm)
             # Connected means cells can run: wait for the runner (spawn returns at once), so a
@@ -196,7 +213,7 @@ class MeshSession:
 
     def forget(self) -> None:
         self.host = self.procs = self.cells = self.job = None
-        self.name = None
+        self.name = self.job_mesh = None
 
     def shutdown_kernel(self) -> None:
         """Kernel shutdown or restart: leave connected meshes running (persistent), stop

@@ -8,15 +8,16 @@ freeze the front-end nor grow the kernel. This module decides what text a cell w
 ``--group-outputs`` (ipyparallel's option, our names):
   * ``merged`` (default): identical lines (same stream, same text) from several ranks are
     written once, labelled with their ranks. Held output (a cell that ends within the hold)
-    is merged over the whole cell; live output over a short window (``MERGE_WINDOW_S``).
+    is merged over the whole cell; live output over a short window (``MONARCH_KERNEL_MERGE_WINDOW_S``).
   * ``rank``: each rank's output together, rank 0 first (ipyparallel's ``engine``).
   * ``order``: collated: every rank's first output, then every rank's second... (as
     ipyparallel's ``order``).
   Live output of ``rank`` and ``order`` is written as it arrives, each line labelled.
 
-Bounds. Memory: at most ``MAX_HELD`` lines are kept (held, or in the merge window); lines
+Bounds (read when a cell starts; monarch_kernel/config.py, with the MONARCH_KERNEL_ prefix).
+Memory: at most ``OUTPUT_HELD`` lines are kept (held, or in the merge window); lines
 past that are only counted, per rank. Front-end: what is written is a token bucket of
-``RATE`` lines a second with bursts of ``BURST``, and at most ``MAX_LINES`` lines a cell
+``OUTPUT_RATE`` lines a second with bursts of ``OUTPUT_BURST``, and at most ``OUTPUT_LINES`` lines a cell
 (a merged line counts once). Lines not written are counted per rank and the cell says
 where they are: every line a proc prints is also in its log on its host
 (telemetry/logs.py), which ``%mesh logs --ranks R`` reads. A proc also limits what it
@@ -25,9 +26,10 @@ sends (monarch_kernel/node/output_limit.py) and reports the lines it kept back; 
 from __future__ import annotations
 
 import collections
-import os
 import time
 from collections.abc import Iterable
+
+from monarch_kernel import config
 
 from .display import rank_ranges
 
@@ -36,18 +38,6 @@ SKIPPED = "skipped"   # node/output_limit.py: a proc's count of lines it kept ba
 MODE_ALIASES = {"engine": "rank"}   # ipyparallel's name for grouping by rank
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-MERGE_WINDOW_S = _env_float("MONARCH_KERNEL_MERGE_WINDOW_S", 0.25)
-MAX_HELD = int(_env_float("MONARCH_KERNEL_OUTPUT_HELD", 50_000))
-RATE = _env_float("MONARCH_KERNEL_OUTPUT_RATE", 200.0)
-BURST = int(_env_float("MONARCH_KERNEL_OUTPUT_BURST", 1000))
-MAX_LINES = int(_env_float("MONARCH_KERNEL_OUTPUT_LINES", 10_000))
 
 Line = tuple[int, str, str]   # (rank, stream, text without its newline)
 
@@ -71,10 +61,14 @@ class OutputOptions:
 
 
 class OutputBudget:
-    """What may still be written: a token bucket (``RATE``/s, ``BURST``) and a cell cap."""
+    """What may still be written: a token bucket (``OUTPUT_RATE``/s, ``OUTPUT_BURST``) and a
+    cell cap (``OUTPUT_LINES``); each defaults to its variable's value now."""
 
-    def __init__(self, rate: float = RATE, burst: int = BURST, max_lines: int = MAX_LINES):
-        self.rate, self.burst, self.left = rate, burst, max_lines
+    def __init__(self, rate: float | None = None, burst: int | None = None, max_lines: int | None = None):
+        rate = config.OUTPUT_RATE.get() if rate is None else rate
+        burst = config.OUTPUT_BURST.get() if burst is None else burst
+        max_lines = config.OUTPUT_LINES.get() if max_lines is None else max_lines
+        self.rate, self.burst, self.max_lines, self.left = rate, burst, max_lines, max_lines
         self.tokens = float(burst)
         self.stamp = time.monotonic()
         self.limited = False   # some line was refused
@@ -131,6 +125,8 @@ class TextLimits:
     def __init__(self, options: OutputOptions):
         self.options = options
         self.budget = OutputBudget()
+        self.max_held = config.OUTPUT_HELD.get()
+        self.merge_window_s = config.MERGE_WINDOW_S.get()
         self.held_lines = 0
         self.window: list[Line] = []
         self.window_started = 0.0
@@ -140,7 +136,7 @@ class TextLimits:
 
     def admit_held(self, rank: int, n: int) -> bool:
         """Room to keep ``n`` more lines? (else they are counted as not shown)"""
-        if self.held_lines + n > MAX_HELD:
+        if self.held_lines + n > self.max_held:
             self.dropped[rank] += n
             return False
         self.held_lines += n
@@ -159,13 +155,13 @@ class TextLimits:
         lines = split_lines(text)
         if not self.window:
             self.window_started = time.monotonic()
-        if len(self.window) + len(lines) > MAX_HELD:
+        if len(self.window) + len(lines) > self.max_held:
             self.dropped[rank] += len(lines)
             return
         self.window += [(rank, stream, t) for t in lines]
 
     def window_due(self, now: float | None = None) -> bool:
-        return bool(self.window) and (now or time.monotonic()) - self.window_started >= MERGE_WINDOW_S
+        return bool(self.window) and (now or time.monotonic()) - self.window_started >= self.merge_window_s
 
     def take_window(self) -> list[tuple[str, str, list[int]]]:
         lines, self.window = self.window, []
@@ -178,8 +174,8 @@ class TextLimits:
         if self.warned or not self.dropped:
             return ""
         self.warned = True
-        return (f"[monarch_kernel] more output than the notebook can show (over {RATE:g} lines/s or "
-                f"{MAX_LINES} lines a cell): some lines are kept only in the ranks' logs "
+        return (f"[monarch_kernel] more output than the notebook can show (over {self.budget.rate:g} lines/s or "
+                f"{self.budget.max_lines} lines a cell): some lines are kept only in the ranks' logs "
                 "(`%mesh logs --ranks R`); a count follows when the cell ends\n")
 
     def closing_notes(self) -> str:
@@ -187,8 +183,9 @@ class TextLimits:
         if self.dropped:
             ranks = sorted(self.dropped)
             n = sum(self.dropped.values())
+            b = self.budget
             notes.append(f"[monarch_kernel] {n:,} lines from {rank_ranges(ranks)} not shown here (output "
-                         f"limits: {RATE:g} lines/s and {MAX_LINES} a cell in the notebook, and each proc's "
+                         f"limits: {b.rate:g} lines/s and {b.max_lines} a cell in the notebook, and each proc's "
                          f"own); every line is in its rank's log: `%mesh logs --ranks {ranks[0]} --tail 100`\n")
         if self.hidden:
             ranks = sorted(self.hidden)

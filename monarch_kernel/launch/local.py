@@ -53,7 +53,8 @@ def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float |
         chunk = os.read(fd, 4096)
         if not chunk:
             proc.wait()
-            raise MeshGoneError(f"the host agent exited at start (code {proc.returncode}); see {log_path}")
+            raise MeshGoneError(f"the host agent exited at start (code {proc.returncode}){_last_line(log_path)}; "
+                                f"see {log_path}")
         line += chunk
     proc.stdout.close()
     text = line.decode().strip()
@@ -62,3 +63,14 @@ def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float |
     import socket
 
     return {"addr": text[len(READY):], "host": socket.gethostname(), "pid": proc.pid}, proc
+
+
+def _last_line(log_path: Path) -> str:
+    """The agent's last words (e.g. a bad MONARCH_KERNEL_* value), for the error."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 2000))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1].strip()}" if lines else ""

@@ -21,7 +21,7 @@ if __name__ == "__main__":
     import sys as _sys
 
     _EARLY_ZYGOTE = _sp.Popen([_sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=_sp.PIPE, stdout=_sp.PIPE,
-                              env={**_os.environ, "MONARCH_KERNEL_AGENT_PID": str(_os.getpid())})
+                              env={**_os.environ, "MONARCH_KERNEL_AGENT_PID": str(_os.getpid())})   # config.AGENT_PID
 else:
     _EARLY_ZYGOTE = None
 
@@ -41,6 +41,7 @@ import uuid
 
 import zmq
 
+from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
@@ -77,10 +78,10 @@ class HostAgent:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Before any MAC is checked: a frame over MAX_MESSAGE_BYTES drops its connection
+        # Before any MAC is checked: a frame over MONARCH_KERNEL_AGENT_MAX_MESSAGE drops its connection
         # instead of being allocated, and a connection that does not finish the ZMTP
         # handshake within 2 s is closed (idle unauthenticated sockets do not pile up).
-        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.router.setsockopt(zmq.MAXMSGSIZE, config.AGENT_MAX_MESSAGE.get())
         self.router.setsockopt(zmq.HANDSHAKE_IVL, 2000)
         _raise_fd_limit()
         # Off this host, the link is CurveZMQ too (keys derived from the mesh key, curve.py).
@@ -111,7 +112,7 @@ class HostAgent:
         self.parent_pid = a.parent_pid
         self.zygote = zygote or subprocess.Popen(
             [sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env={**os.environ, "MONARCH_KERNEL_AGENT_PID": str(os.getpid())}, cwd=os.getcwd())
+            env={**os.environ, config.AGENT_PID.env: str(os.getpid())}, cwd=os.getcwd())
         self.zygote_ready = False
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
@@ -406,12 +407,12 @@ class HostAgent:
         import psutil
 
         running = sum(1 for p in self.procs.values() if p.state in ("starting", "alive"))
-        cap = int(os.environ.get("MONARCH_KERNEL_MAX_PROCS", "0")) or max(64, 8 * (os.cpu_count() or 1))
+        cap = config.MAX_PROCS.get() or max(64, 8 * (os.cpu_count() or 1))
         if running + n > cap:
             raise ValueError(f"cannot start {n} proc(s) on host {self.host}: it runs {running} and holds at most "
                              f"{cap} (MONARCH_KERNEL_MAX_PROCS on the agent). Ask for fewer per host, or raise "
                              "the cap if the host really has room")
-        per_mb = float(os.environ.get("MONARCH_KERNEL_PROC_MEM_MB", "150"))
+        per_mb = config.PROC_MEM_MB.get()
         avail_mb = psutil.virtual_memory().available / 2**20
         if n * per_mb > avail_mb:
             raise ValueError(f"cannot start {n} proc(s) on host {self.host}: they need about {n * per_mb:,.0f} MB "
@@ -543,7 +544,6 @@ class HostAgent:
 
 
 # Agent messages are small (a sync batch is ~1 MiB; a plan of 100,000 files ~10 MiB).
-MAX_MESSAGE_BYTES = int(os.environ.get("MONARCH_KERNEL_AGENT_MAX_MESSAGE", str(32 << 20)))
 
 
 def _raise_fd_limit():
@@ -565,7 +565,7 @@ _WILDCARDS = ("0.0.0.0", "*", "::", "[::]")
 def _reachable_ip() -> str:
     """This host's address for peers: $POD_IP (Kubernetes' downward API), else what the
     host name resolves to, else the first non-loopback IPv4 address of an interface."""
-    ip = os.environ.get("POD_IP") or os.environ.get("MONARCH_KERNEL_ADVERTISE")
+    ip = os.environ.get("POD_IP") or config.ADVERTISE.get()
     if ip:
         return ip
     try:
@@ -606,7 +606,12 @@ def _load_key(a) -> bytes:
     if a.key_file:
         with open(a.key_file) as f:
             return bytes.fromhex(f.read().strip())
-    key = os.environ.pop("MONARCH_KERNEL_KEY", "")
+    try:
+        key = config.KEY.get()
+    except config.ConfigError as e:
+        sys.exit(f"workers.agent: {e}")
+    finally:
+        os.environ.pop(config.KEY.env, None)   # its procs do not inherit the key
     if not key:
         sys.exit("workers.agent: no key: pass --key-file FILE (hex, mode 0600) or set MONARCH_KERNEL_KEY")
     return bytes.fromhex(key)
@@ -624,6 +629,9 @@ def main(argv=None):
     p.add_argument("--conn-file", help="connection file to write once listening (0600) and remove on exit")
     p.add_argument("--parent-pid", type=int, default=0, help="die with this parent (non-persistent)")
     a = p.parse_args(argv)
+    bad = config.problems("agent", "proc", "any")   # its procs inherit its environment
+    if bad:
+        sys.exit("workers.agent: cannot start: " + " ".join(bad))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     if not a.persistent and a.lease is None:
         a.lease = 30.0  # a non-persistent agent nobody attaches to does not wait forever

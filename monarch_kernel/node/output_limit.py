@@ -14,24 +14,18 @@ flood from starving the controller.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
+
+from monarch_kernel import config
 
 SKIPPED = "skipped"   # the output "stream" that carries a count of lines kept back
 
 
-def _env(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 class OutputLimit:
     def __init__(self, rate: float | None = None, burst: float | None = None):
-        self.rate = _env("MONARCH_KERNEL_PROC_OUTPUT_RATE", 50.0) if rate is None else rate
-        self.burst = _env("MONARCH_KERNEL_PROC_OUTPUT_BURST", 500.0) if burst is None else burst
+        self.rate = config.PROC_OUTPUT_RATE.get() if rate is None else rate
+        self.burst = config.PROC_OUTPUT_BURST.get() if burst is None else burst
         self.tokens = self.burst
         self.stamp = time.monotonic()
         self.skipped = 0

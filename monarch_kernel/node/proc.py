@@ -20,6 +20,7 @@ import traceback
 
 import zmq
 
+from monarch_kernel import config
 from monarch_kernel.core import context as context_mod
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.channels import Port, reply_port
@@ -112,13 +113,13 @@ class ProcWorker:
         self.main_ident = threading.get_ident()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.running = True
-        rt.handlers["interrupt"] = self._on_interrupt
-        rt.handlers["died"] = self._on_died_notice
-        rt.handlers["query"] = self._on_query
-        rt.handlers["logopt"] = self._on_logging_option
+        rt.on_message("interrupt", self._on_interrupt)
+        rt.on_message("died", self._on_died_notice, replace=True)   # a proc's own death notices
+        rt.on_message("query", self._on_query)
+        rt.on_message("logopt", self._on_logging_option)
         context_mod.SELF_CONTROL = self
-        rt.agent_event_handlers["sink"] = self._on_sink
-        rt.agent_event_handlers["died"] = lambda link, key, failure: self._peer_died(key, failure)
+        rt.on_agent_event("sink", self._on_sink)
+        rt.on_agent_event("died", lambda link, key, failure: self._peer_died(key, failure), replace=True)
         rt.death_listeners.append(self._supervise_owned)
         self.stdout = ForwardingStream(self, "stdout")
         self.stderr = ForwardingStream(self, "stderr")
@@ -222,8 +223,7 @@ class ProcWorker:
         self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
                            self.rt.curve_public)
-        self.rt.nested_work = (work, self._nested_work)
-        self.rt.nested_thread = threading.get_ident()
+        self.rt.serve_work_while_waiting(work, self._nested_work)
         deferred = self.deferred
         while self.running:
             if deferred:
@@ -600,9 +600,9 @@ def main(cfg: dict) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["RANK"] = str(cfg["rank"])
     os.environ["LOCAL_RANK"] = str(cfg.get("local_index", 0))
-    os.environ["MONARCH_KERNEL_PROC"] = cfg["proc_key"]
+    os.environ[config.PROC.env] = cfg["proc_key"]
     gpus = _gpu_count()
-    if gpus and "MONARCH_KERNEL_KEEP_CUDA_VISIBLE" not in os.environ:
+    if gpus and not config.KEEP_CUDA_VISIBLE.get():
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.get("local_index", 0) % gpus)
     rt = Runtime(bind_host=cfg["bind"], role="proc")
     install_runtime(rt)
@@ -615,7 +615,7 @@ def main(cfg: dict) -> int:
     WORKER = worker
     context_mod.set_proc_worker(worker)
     debugger.install(worker)   # breakpoint() / pdb.set_trace() talk to the controller
-    from monarch_kernel.jupyter.display_worker import use_on_this_rank
+    from monarch_kernel.node.rich_output import use_on_this_rank
 
     use_on_this_rank()   # display() and plt.show() reach the notebook, not the kernel's backend
     sys.stdout, sys.stderr = worker.stdout, worker.stderr

@@ -14,16 +14,18 @@ import signal
 import sys
 import time
 
+from monarch_kernel import config
+
 
 def _preload() -> float:
     t0 = time.perf_counter()
-    if os.environ.get("MONARCH_KERNEL_NO_TORCH") != "1":
+    if not config.NO_TORCH.get():
         try:
             import torch  # noqa: F401
         except ImportError:
             pass
     import monarch_kernel.node.proc  # noqa: F401  (zmq, cloudpickle, the runtime)
-    try:   # ~0.1 s: a rank's display() uses IPython's formatters (jupyter/display_worker.py)
+    try:   # ~0.1 s: a rank's display() uses IPython's formatters (node/rich_output.py)
         import IPython.display  # noqa: F401
     except ImportError:
         pass
@@ -34,7 +36,7 @@ def _preload() -> float:
 def main() -> None:
     from monarch_kernel.node.linux import die_with_parent
 
-    die_with_parent(int(os.environ.get("MONARCH_KERNEL_AGENT_PID", "0")) or None)
+    die_with_parent(config.AGENT_PID.get() or None)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to the agent's log, not the protocol pipe
     preload_s = _preload()

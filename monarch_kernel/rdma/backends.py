@@ -15,10 +15,12 @@ import fcntl
 import os
 from typing import NamedTuple
 
+from monarch_kernel import config
+
 from . import ibverbs, shm, tcp
 from . import owner as owner_mod
 
-ENV = "MONARCH_KERNEL_RDMA_BACKEND"
+ENV = config.RDMA_BACKEND.env
 NAMES = ("ibverbs", "shm", "tcp")
 
 
@@ -27,7 +29,7 @@ class Dropped(Exception):
 
 
 def choose(o: owner_mod.OwnerInfo, device: str, verbs) -> str:
-    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    want = config.RDMA_BACKEND.get().lower()
     same_host = o.host_id == shm.host_id()
     cpu = device == "cpu"
     if want not in ("auto", *NAMES):
@@ -125,7 +127,7 @@ def get_rdma_backend() -> BackendReport:
     """Which data paths work in this process (ibverbs needs an RDMA device)."""
     usable = {"ibverbs": ibverbs.available(), "shm": shm.permitted(),
               "tcp": (True, "a data socket per owner process, chunked")}
-    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    want = config.RDMA_BACKEND.get().lower()
     if want in NAMES:
         default = want
     else:

@@ -13,6 +13,8 @@ import os
 import secrets
 import tempfile
 
+from monarch_kernel import config
+
 from . import shm
 
 
@@ -20,7 +22,7 @@ class FakeVerbs:
     name = "fake-verbs"
 
     def __init__(self):
-        self.dir = os.environ.get("MONARCH_KERNEL_FAKE_VERBS_DIR") or tempfile.gettempdir()
+        self.dir = config.FAKE_VERBS_DIR.get() or tempfile.gettempdir()
         self.qps: dict[int, dict] = {}
 
     def devices(self) -> list[str]:

@@ -22,7 +22,9 @@ import json
 import os
 import threading
 
-ENV = "MONARCH_KERNEL_VERBS_LAYER"
+from monarch_kernel import config
+
+ENV = config.VERBS_LAYER.env
 _layer = None
 _layer_pid = 0
 _layer_lock = threading.Lock()
@@ -33,7 +35,7 @@ def layer():
     global _layer, _layer_pid
     with _layer_lock:
         if _layer_pid != os.getpid():
-            spec = os.environ.get(ENV, "")
+            spec = config.VERBS_LAYER.get()
             if spec:
                 mod, _, cls = spec.partition(":")
                 _layer = getattr(importlib.import_module(mod), cls or "Layer")()

@@ -7,7 +7,7 @@ when every receiver of the message is on this host. The sender registers the ten
 a transient buffer (a *pin*) expecting one release per receiver; each receiver copies
 the bytes once into a fresh tensor and releases the pin over the sender's data socket.
 A pin whose release never comes (message dropped, receiver died) is dropped after
-PIN_TTL_S; pins are memory of the sender, so nothing outlives the sender process.
+MONARCH_KERNEL_PIN_TTL_S; pins are memory of the sender, so nothing outlives the sender process.
 As with the zero-copy socket path, a tensor must not be changed in place while a call
 that carries it is in flight.
 """
@@ -16,14 +16,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
-import os
 import threading
 import weakref
+
+from monarch_kernel import config
 
 from . import backends, shm, tcp
 from . import owner as owner_mod
 
-PIN_TTL_S = float(os.environ.get("MONARCH_KERNEL_PIN_TTL_S", "300"))
 _HUGE = 2 << 20
 
 
@@ -37,7 +37,7 @@ def reduce_local(tensor, receivers: int):
     reg = owner_mod.registry()
     flat = tensor.detach().reshape(-1).view(torch.uint8)
     e = reg.add(tensor, None, tensor.data_ptr(), nbytes, "uint8", "cpu", True)
-    reg.pin(e, receivers, PIN_TTL_S)
+    reg.pin(e, receivers, config.PIN_TTL_S.get())
     dtype = str(tensor.dtype).removeprefix("torch.")
     del flat
     return _pull, (reg.info, e.slot, e.gen, e.token, e.addr, nbytes, dtype, tuple(tensor.shape),
@@ -90,7 +90,7 @@ def _empty(nbytes: int):
 def _recycle(m: mmap.mmap, nbytes: int) -> None:
     global _pool_bytes
     with _pool_lock:
-        if _pool_bytes + nbytes <= POOL_BYTES:
+        if _pool_bytes + nbytes <= config.RECV_POOL_BYTES.get():
             _pool.setdefault(nbytes, []).append(m)
             _pool_bytes += nbytes
     # else: dropped; the mapping is unmapped once nothing exports it
@@ -102,7 +102,6 @@ def _buffer_type(nbytes: int):
     return type(f"_Received{nbytes}", (ctypes.c_ubyte * nbytes,), {})
 
 
-POOL_BYTES = int(os.environ.get("MONARCH_KERNEL_RECV_POOL_BYTES", str(512 << 20)))
 _pool: dict[int, list[mmap.mmap]] = {}
 _pool_bytes = 0
 _pool_lock = threading.Lock()

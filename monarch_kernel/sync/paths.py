@@ -10,6 +10,8 @@ import os
 import socket
 from pathlib import Path
 
+from monarch_kernel import config
+
 
 class SyncRefused(ValueError):
     """A manifest path or link target that would leave the destination."""
@@ -23,7 +25,7 @@ class SyncWriteError(OSError):
 def base_dir(agent_name: str) -> Path:
     """Where this host keeps synced trees: ``$MONARCH_KERNEL_SYNC_DIR`` or
     ``$MONARCH_KERNEL_HOME/workspaces/<agent>-<hostname>``."""
-    env = os.environ.get("MONARCH_KERNEL_SYNC_DIR")
+    env = config.SYNC_DIR.get()
     if env:
         return Path(env)
     from monarch_kernel.core.connection import home

@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from monarch_kernel import config
 from monarch_kernel.core.runtime import runtime
 
 from .manifest import Entry, Manifest
@@ -26,7 +27,6 @@ CHUNK = 1 << 20
 WINDOW = 8
 PLAN_TIMEOUT_S = 60.0
 PUT_TIMEOUT_S = 60.0
-COMPRESS = os.environ.get("MONARCH_KERNEL_SYNC_COMPRESS", "auto")   # auto | always | never
 INCOMPRESSIBLE = frozenset(
     ".gz .tgz .bz2 .xz .zst .zip .whl .jar .7z .png .jpg .jpeg .gif .webp .mp4 .mp3 .pt .pth .ckpt "
     ".safetensors .npz .so .pyd .dylib .bin .parquet .onnx".split())
@@ -67,8 +67,9 @@ class Progress:
 def should_compress(targets: list[HostTarget]) -> bool:
     """zlib costs CPU on both ends and saves bandwidth: worth it across a network, not to an
     agent on this machine's loopback (``auto``); MONARCH_KERNEL_SYNC_COMPRESS overrides."""
-    if COMPRESS in ("always", "never"):
-        return COMPRESS == "always"
+    mode = config.SYNC_COMPRESS.get()   # auto | always | never
+    if mode in ("always", "never"):
+        return mode == "always"
     for t in targets:
         host = t.addr.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
         try:

@@ -17,14 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from monarch_kernel import config
 from monarch_kernel.core.errors import MeshGoneError, MonarchError
 
 from .manifest import Problem, build_manifest, human
 from .reload import ACTOR_NAME, SyncActor
 from .sender import HostTarget, Progress, push_root
 
-DEFAULT_MAX_BYTES = int(os.environ.get("MONARCH_KERNEL_SYNC_MAX_BYTES", str(1 << 30)))
-DEFAULT_ENV_MAX_BYTES = int(os.environ.get("MONARCH_KERNEL_SYNC_ENV_MAX_BYTES", str(10 << 30)))
 RELOAD_TIMEOUT_S = 120.0
 
 
@@ -238,7 +237,7 @@ def sync_workspace(mesh, paths=None, *, env: bool | str = False, dry_run: bool =
     for r in roots:
         limit = max_bytes
         if limit is None:
-            limit = DEFAULT_ENV_MAX_BYTES if r.env else DEFAULT_MAX_BYTES
+            limit = (config.SYNC_ENV_MAX_BYTES if r.env else config.SYNC_MAX_BYTES).get()
         manifests.append(build_manifest(r.src, r.scope, excludes=excludes, max_bytes=limit))
     report = SyncReport(roots, targets, dry_run=dry_run)
     for r, m in zip(roots, manifests, strict=True):

@@ -1,6 +1,6 @@
 """The host agent's telemetry: samples, proc events, call and cell records, log search.
 
-The agent is the store of record for its host: it keeps the last ``HISTORY_S`` seconds
+The agent is the store of record for its host: it keeps the last ``MONARCH_KERNEL_TELEMETRY_HISTORY_S`` seconds
 (an hour by default) in memory, so a controller that attaches later, or a kernel that
 restarts, still sees what happened. Nothing is pushed: a controller that looks (a query,
 ``%mesh top``, the Mesh panel) asks ``tel_since(cursor)`` and gets, in one batch per
@@ -19,18 +19,17 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import queue
 import shutil
 import threading
 import time
 
+from .. import config
 from .logs import log_dir, log_path, search
 from .sampler import ProcSampler
 
 log = logging.getLogger("monarch_kernel.telemetry")
 
-HISTORY_S = float(os.environ.get("MONARCH_KERNEL_TELEMETRY_HISTORY_S", "3600"))
 MAX_ROWS = 200_000          # per table, whatever the history says
 TABLES = ("samples", "proc_events", "calls", "cells")
 
@@ -38,7 +37,7 @@ TABLES = ("samples", "proc_events", "calls", "cells")
 class AgentTelemetry:
     def __init__(self, agent):
         self.agent = agent
-        self.interval = float(os.environ.get("MONARCH_KERNEL_TELEMETRY_S", "1.0"))   # 0: off
+        self.interval = config.TELEMETRY_S.get()   # 0: off
         self.sampler = ProcSampler(agent.host)
         self.seq = itertools.count(1)
         self.tables: dict[str, collections.deque] = {t: collections.deque(maxlen=MAX_ROWS) for t in TABLES}
@@ -97,7 +96,7 @@ class AgentTelemetry:
         self._start_sample([(p.mesh_name, p.rank, p.pid) for p in alive], {p.pid: p.mesh_id for p in alive})
         for p in alive:   # the procs send their call records back as a tel_calls op
             self.agent.send(p.ident, ("ev", "tel_pull"))
-        self._expire(time.time() - HISTORY_S)
+        self._expire(time.time() - config.TELEMETRY_HISTORY_S.get())
 
     def _start_sample(self, procs: list, mesh_ids: dict) -> None:
         if self.sample_thread is None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
-import os
 import re
 from pathlib import Path
 from typing import NamedTuple
+
+from monarch_kernel import config
 
 LOG_BACKUPS = 2
 CHUNK = 8 * 1024 * 1024
@@ -35,7 +36,7 @@ def log_path(agent_name: str, mesh: str, rank: int) -> Path:
 
 
 def max_bytes() -> int:
-    return int(float(os.environ.get("MONARCH_KERNEL_LOG_MB", "16")) * 1024 * 1024)
+    return int(config.LOG_MB.get() * 1024 * 1024)
 
 
 class ProcLogFile:

@@ -29,8 +29,8 @@ class ProcTelemetry:
             except OSError as e:   # a read-only home must not stop the proc
                 sys.__stderr__.write(f"monarch_kernel: rank {self.rank} keeps no log file ({e})\n")
         self.enabled = True   # off while the agent's sampling is off (tel_config 0)
-        worker.rt.agent_event_handlers["tel_pull"] = self._on_pull
-        worker.rt.agent_event_handlers["tel_enable"] = self._on_enable
+        worker.rt.on_agent_event("tel_pull", self._on_pull, replace=True)
+        worker.rt.on_agent_event("tel_enable", self._on_enable, replace=True)
 
     def record_call(self, actor: str, endpoint: str, args: tuple, started: float, seconds: float, ok: bool,
                     value) -> None:

@@ -97,7 +97,7 @@ class TensorEngine:
         rt = runtime()
         inner = self.group.workers.fetch.call(tid, what, rank)
         out: Future = Future(f"fetch from mesh '{self.name}'")
-        out._waiter = rt.wait_for
+        out.set_waiter(rt.wait_for)
 
         def done(f: Future):
             try:

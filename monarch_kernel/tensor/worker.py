@@ -21,6 +21,7 @@ import datetime
 import os
 import socket
 
+from monarch_kernel import config
 from monarch_kernel.core.actors import Actor, endpoint
 from monarch_kernel.core.context import current_rank
 
@@ -126,7 +127,7 @@ class TensorWorker(Actor):
 
         self.rank = current_rank().rank
         self.unreported: list[OpFailure] = []
-        runtime().handlers["torch_abort"] = abort_group
+        runtime().on_message("torch_abort", abort_group)
 
     # ------------------------------------------------------------ process group
     @endpoint
@@ -149,11 +150,11 @@ class TensorWorker(Actor):
         """torchrun's variables for this rank; gloo pinned to the interface of the address
         this proc binds, unless the user chose one (GLOO_SOCKET_IFNAME)."""
         os.environ.update(envs[current_rank().rank])
-        if "GLOO_SOCKET_IFNAME" not in os.environ or os.environ.get("MONARCH_KERNEL_SET_IFNAME"):
+        if "GLOO_SOCKET_IFNAME" not in os.environ or config.SET_IFNAME.get():
             ifname = _gloo_ifname(_bind_address())
             if ifname:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname
-                os.environ["MONARCH_KERNEL_SET_IFNAME"] = "1"
+                os.environ[config.SET_IFNAME.env] = "1"
 
     @endpoint
     def init_group(self, envs: list[dict], backend: str, timeout_s: float, labels, sizes,

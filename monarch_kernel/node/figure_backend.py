@@ -1,13 +1,13 @@
-"""The matplotlib backend of a worker proc (``MPLBACKEND=module://monarch_kernel.jupyter.figure_backend``).
+"""The matplotlib backend of a worker proc (``MPLBACKEND=module://monarch_kernel.node.figure_backend``).
 
 Agg draws; ``plt.show()`` sends the open figures to the notebook cell that runs, labelled
-with the rank, and closes them (display_worker.py says why a rank needs its own backend).
+with the rank, and closes them (rich_output.py says why a rank needs its own backend).
 """
 from __future__ import annotations
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg as FigureCanvas  # noqa: F401
 
-from .display_worker import send_open_figures
+from .rich_output import send_open_figures
 
 
 def show(*args, block=None, **kwargs) -> None:

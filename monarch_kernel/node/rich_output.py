@@ -21,7 +21,7 @@ import os
 import sys
 import weakref
 
-BACKEND = "module://monarch_kernel.jupyter.figure_backend"
+BACKEND = "module://monarch_kernel.node.figure_backend"
 FRONT_END_BACKENDS = ("matplotlib_inline", "ipympl", "nbagg", "widget")
 _FORMATTER = None
 _SHOWN: weakref.WeakSet = weakref.WeakSet()   # figures display()ed during this cell

@@ -3,8 +3,8 @@
 One ``CellRunner`` is spawned per proc mesh under the reserved name ``__cells__`` (see
 ``session.CELL_ACTOR``). Its namespace is this module's ``NAMESPACE``, a module-global dict
 of the proc, so it persists across cells (and kernel restarts, which leave procs alone)
-and actors on the same proc can read it (``from monarch_kernel.jupyter.cells import
-NAMESPACE``).
+and actors on the same proc can read it (``from monarch_kernel.node.cells import
+NAMESPACE``; its older name ``monarch_kernel.jupyter.cells`` is the same module).
 
 Cells run on the proc's main thread (actor endpoints do), so the kernel's interrupt
 becomes a KeyboardInterrupt in the cell. ``run`` never raises: a failure comes back as a
@@ -12,7 +12,7 @@ becomes a KeyboardInterrupt in the cell. ``run`` never raises: a failure comes b
 under the cell's filename), so the controller can group identical errors across ranks.
 
 Rich output: ``display(obj)`` (predefined in the namespace), ``plt.show()`` and figures
-left open at the end of a cell go to the controller's sink (display_worker.py).
+left open at the end of a cell go to the controller's sink (rich_output.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import traceback
 from monarch_kernel.core.actors import Actor, endpoint
 from monarch_kernel.core.context import current_rank
 
-from .display_worker import display, send_open_figures, use_on_this_rank  # noqa: F401  (display: re-exported)
+from .rich_output import display, send_open_figures, use_on_this_rank  # noqa: F401  (display: re-exported)
 
 NAMESPACE: dict = {"__name__": "__on_mesh__"}
 

@@ -1,0 +1,228 @@
+"""Links to host agents: requests and their replies, events, heartbeats, lost hosts.
+
+Everything here runs on the runtime's I/O thread (inbox.py): other threads reach it
+through ``Runtime.agent_request`` / ``agent_send`` / ``watch_agent`` / ``forget_agent``,
+which queue the work with ``call_in_io``. Liveness of procs comes from their agent
+(waitpid), never from Python heartbeats; agents are heartbeaten every ``HEARTBEAT_S`` and
+a host silent past ``HOST_TIMEOUT_S`` is declared lost (its procs' futures fail), until it
+answers again (its procs come back with their state).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import zmq
+
+from .. import config
+from . import curve, wire
+from .errors import HostUnreachableError, MeshFailure, SupervisionError
+from .future import Future
+from .host_liveness import LocalAgentWatch
+from .transport import pid_alive
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+log = logging.getLogger("monarch_kernel")
+
+HEARTBEAT_S = config.HEARTBEAT_S.get()
+HOST_TIMEOUT_S = config.HOST_TIMEOUT_S.get()
+
+
+class AgentLink:
+    """The I/O thread's DEALER to one host agent, with request ids and heartbeats."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, key: bytes):
+        self.addr = addr
+        self.key = key
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.ident = wire.new_identity()   # the agent's replies are addressed to it (wire.dest_of_identity)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.ident)
+        curve.connect(self.sock, addr, curve.agent_keys(key)[0] if curve.wanted(addr) else None)
+        self.requests: dict[int, Future] = {}
+        self.last_seen = time.monotonic()
+        self.last_hb_sent = 0.0
+        self.unanswered = 0    # heartbeats sent since the agent was last heard
+        self.watched = False   # heartbeat it and declare it lost on silence
+        self.lost = False      # silent past HOST_TIMEOUT_S; heartbeats go on, so it can come back
+        self.lost_since = 0.0
+        self.lost_errors: dict[str, SupervisionError] = {}   # procs failed because of the silence
+        self.failed_while_lost: list[str] = []   # what failed because of it (calls, requests)
+        self.pid: int | None = None   # the agent's pid when it runs on this machine
+        self.os_watch: LocalAgentWatch | None = None   # then: is its silence load? (host_liveness.py)
+        self.host = ""
+
+    def describe_loss(self, now: float) -> str:
+        if self.pid and not pid_alive(self.pid):
+            return f"the agent of host {self.host or self.addr} (pid {self.pid}) is gone"
+        return (f"host {self.host or self.addr} has not answered for {now - self.lost_since:.1f} s; "
+                "requests to it fail until it answers again")
+
+
+class AgentLinks:
+    """Every agent link of one runtime (I/O thread only), by agent address."""
+
+    def __init__(self, rt: Runtime, watch_socket: Callable, unwatch_socket: Callable):
+        self.rt = rt
+        self.links: dict[str, AgentLink] = {}
+        self.outages: list[dict] = []   # hosts that were silent and came back (see _host_back)
+        self.event_handlers: dict[str, Callable] = {"died": self._on_agent_died}
+        self._ids = itertools.count(1)
+        self._watch_socket, self._unwatch_socket = watch_socket, unwatch_socket
+
+    # ----------------------------------------------------------------- requests (I/O thread)
+    def link(self, addr: str, key: bytes) -> AgentLink:
+        link = self.links.get(addr)
+        if link is None:
+            self.rt.keyring.add(key)
+            link = self.links[addr] = AgentLink(self.rt.ctx, addr, key)
+            self.rt.keyring.accept(f"agent {addr}", wire.dest_of_identity(link.ident))
+            self._watch_socket(link.sock)
+        return link
+
+    def request(self, addr: str, key: bytes, op: str, args: tuple, fut: Future) -> None:
+        link = self.link(addr, key)
+        if link.lost:
+            # A silent host answers nothing: fail now, not after the caller's timeout.
+            fut.set_exception(HostUnreachableError(link.describe_loss(time.monotonic())))
+            return
+        req = next(self._ids)
+        link.requests[req] = fut
+        link.sock.send_multipart(self.rt.pack_to(addr, key, ("req", req, op, args)), copy=False)
+
+    def send(self, addr: str, key: bytes, op: str, args: tuple) -> None:
+        self.link(addr, key).sock.send_multipart(self.rt.pack_to(addr, key, ("req", 0, op, args)), copy=False)
+
+    def watch(self, addr: str, key: bytes, pid: int | None, host: str) -> None:
+        link = self.link(addr, key)
+        link.watched = True
+        link.last_seen = time.monotonic()
+        link.pid, link.host = pid, host
+        link.os_watch = LocalAgentWatch(pid) if pid else None
+
+    def forget(self, addr: str) -> None:
+        link = self.links.pop(addr, None)
+        if link is not None:
+            self._unwatch_socket(link.sock)
+            link.sock.close(0)
+
+    # ----------------------------------------------------------------- what agents send
+    def owns(self, sock) -> AgentLink | None:
+        return next((lk for lk in self.links.values() if lk.sock is sock), None)
+
+    def on_socket(self, link: AgentLink) -> None:
+        sock, opener = link.sock, self.rt.keyring.open
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = opener(frames, f"agent {link.addr}")
+            if msg is None or type(msg) is not tuple:
+                continue
+            link.last_seen = time.monotonic()
+            link.unanswered = 0
+            if link.lost:
+                self._host_back(link, link.last_seen)
+            if msg[0] == "rep":
+                _, req, ok, value = msg
+                fut = link.requests.pop(req, None)
+                if fut is not None:
+                    (fut.set_result if ok else fut.set_exception)(value)
+            elif msg[0] == "ev":
+                h = self.event_handlers.get(msg[1])
+                if h is not None:
+                    try:
+                        h(link, *msg[2:])
+                    except Exception:
+                        log.exception("agent event %r failed", msg[1])
+
+    def _on_agent_died(self, link, key, failure):
+        self.rt.proc_failed(key, failure)
+
+    # ----------------------------------------------------------------- heartbeats
+    def tick(self, now: float) -> None:
+        for link in list(self.links.values()):
+            if not link.watched:
+                continue
+            if now - link.last_hb_sent >= HEARTBEAT_S:
+                # A lost link is heartbeaten too: a host that answers again comes back.
+                link.last_hb_sent = now
+                link.unanswered += 1
+                link.sock.send_multipart(self.rt.pack_to(link.addr, link.key, ("req", 0, "hb", (self.rt.address,))),
+                                        copy=False)
+            if link.lost:
+                continue
+            silent = now - link.last_seen
+            gone = link.pid is not None and silent > HEARTBEAT_S and not pid_alive(link.pid)
+            # A same-machine agent that wants the CPU is starved, not lost (host_liveness.py).
+            load = not gone and silent > HEARTBEAT_S and link.os_watch is not None and \
+                link.os_watch.silence_is_load(now, silent)
+            # Silence counts only if we really asked: an I/O thread starved of the GIL (a long
+            # pickle on the main thread) sent no heartbeats and must not declare a host lost.
+            if gone or (silent > HOST_TIMEOUT_S and link.unanswered >= 4 and not load):
+                link.lost = True
+                link.lost_since = link.last_seen
+                self._host_lost(link, now - link.last_seen, gone)
+
+    def _host_lost(self, link: AgentLink, silent_s: float, gone: bool = False):
+        rt = self.rt
+        why = (f"its agent (pid {link.pid}) is gone" if gone
+               else f"its agent {link.addr} was silent for {silent_s:.1f} s")
+        log.error("host %s: %s; failing what waits on it", link.host or link.addr, why)
+        link.failed_while_lost = []
+        for fut in list(link.requests.values()):
+            link.failed_while_lost.append(fut.what)
+            fut.set_exception(HostUnreachableError(f"host agent {link.addr} is unreachable: {why}"))
+        link.requests.clear()
+        hint = ("The whole host is gone: stop this mesh and spawn a new one (this_host(name) starts a "
+                "new agent)" if gone else
+                "Its procs may only be stalled: if the host answers again they come back with their "
+                "state; if not, stop the mesh and spawn a new one")
+        before = rt.calls.whats_pending()
+        link.lost_errors = {}
+        for key, (ref, _) in list(rt.procs.items()):
+            if ref.agent == link.addr and key not in rt.dead:
+                rt.proc_failed(key, MeshFailure(rt.mesh_name_of(key), ref.rank, ref.host, ref.pid,
+                                                f"host lost: {why}", key), hint=hint)
+                link.lost_errors[key] = rt.dead[key]
+        after = rt.calls.whats_pending()
+        link.failed_while_lost.extend(w for i, w in before.items() if i not in after)
+
+    def _host_back(self, link: AgentLink, now: float):
+        """A host declared lost answers again: its procs were never dead. Un-fail them, say
+        what failed in between, and hello again (the agent may have detached us meanwhile;
+        its answer lists the procs that really died)."""
+        rt = self.rt
+        silent = now - link.lost_since
+        link.lost = False
+        back = [k for k, err in link.lost_errors.items() if rt.dead.get(k) is err]
+        for k in back:
+            del rt.dead[k]
+        link.lost_errors = {}
+        failed = link.failed_while_lost
+        link.failed_while_lost = []
+        report = {"agent": link.addr, "host": link.host, "silent_s": round(silent, 1), "procs_back": len(back),
+                  "failed": failed}
+        self.outages.append(report)
+        log.warning("host %s answered again after %.1f s of silence: %d proc(s) back with their state; "
+                    "failed meanwhile: %s", link.host or link.addr, silent, len(back),
+                    ", ".join(failed) if failed else "nothing")
+        fut = Future("hello")
+        req = next(self._ids)
+        link.requests[req] = fut
+        link.sock.send_multipart(rt.pack_to(link.addr, link.key, ("req", req, "hello", (rt.contact,))), copy=False)
+
+        def died_meanwhile(f):
+            if f.exception() is not None:
+                return
+            for key in f.get().get("dead", {}):
+                ref = rt.procs.get(key, (None,))[0]
+                if ref is not None:
+                    rt.proc_failed(key, MeshFailure(rt.mesh_name_of(key), ref.rank, ref.host, ref.pid,
+                                                    "proc died while its host was unreachable", key))
+        fut.add_done_callback(died_meanwhile)

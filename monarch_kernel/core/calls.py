@@ -1,0 +1,194 @@
+"""Calls in flight and procs known dead: the two halves of "a failure is never silent".
+
+A call to N members is one ``PendingCall``; replies (``Calls.on_result``) and deaths
+(``Calls.proc_failed``) both answer members of it, so a dead proc fails the futures
+waiting on it at once, with the rank, host and why. Failures nobody handled wait in
+``unhandled`` and surface at the controller's next interaction. Runs on whichever thread
+reads the inbox (see inbox.py); ``proc_failed`` may also be called from any thread.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+from typing import Callable
+
+from .errors import ActorError, MeshFailure, SupervisionError
+from .future import Future
+
+log = logging.getLogger("monarch_kernel")
+
+
+class PendingCall:
+    """Collects the replies of one call. ``mode``: 'mesh' -> ValueMesh, 'one' -> value,
+    'stream' -> items pushed to ``queue`` as they arrive."""
+
+    __slots__ = ("future", "keys", "index", "results", "failed", "remaining", "extent", "mode",
+                 "queue", "what", "answered")
+
+    def __init__(self, keys: list[str], extent, mode: str, what: str):
+        self.future = Future(what)
+        self.keys = keys
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.results = [None] * len(keys)
+        self.answered = bytearray(len(keys))   # 1 where that member replied (a value may be None)
+        self.failed: list[int] = []
+        self.remaining = len(keys)
+        self.extent = extent
+        self.mode = mode
+        self.queue = None
+        self.what = what
+        if mode == "stream":
+            import queue
+
+            self.queue = queue.SimpleQueue()
+
+    def deliver(self, key: str, ok: bool, value) -> bool:
+        """Record one member's reply; True once every member has answered (or died)."""
+        i = self.index.get(key)
+        if i is None or self.answered[i]:
+            return False   # unknown, or already answered (a death after its reply changes nothing)
+        self.results[i] = value
+        self.answered[i] = 1
+        self.remaining -= 1
+        if not ok:
+            self.failed.append(i)
+            if isinstance(value, SupervisionError) and not self.future.done():
+                # A dead member fails the whole call now, not when the others finish; their
+                # replies are still recorded (a cell keeps their values, see answered_so_far).
+                if self.queue is not None:
+                    self.queue.put((False, value))
+                    self.queue.put(None)
+                self.future.set_exception(value)
+                return self.remaining <= 0
+        if self.future.done():
+            return self.remaining <= 0   # failed earlier by a death: only recorded
+        if self.queue is not None:
+            self.queue.put((ok, value))
+        if self.remaining:
+            return False
+        self._finish()
+        return True
+
+    def _finish(self):
+        if self.mode == "one":
+            if self.failed:
+                self.future.set_exception(self.results[0])
+            else:
+                self.future.set_result(self.results[0])
+            return
+        from .values import ValueMesh
+
+        mesh = ValueMesh(self.extent, self.results)
+        if self.failed:
+            first = self.results[min(self.failed)]
+            if isinstance(first, ActorError):
+                first.results = mesh
+            self.future.set_exception(first)
+        else:
+            self.future.set_result(mesh)
+        if self.queue is not None:
+            self.queue.put(None)
+
+
+class Calls:
+    """Pending calls by id, how many calls each proc owes (``outstanding``, for choose()),
+    the dead procs and their errors, and the failures still to surface."""
+
+    def __init__(self, waiter: Callable, wake_reader: Callable[[], None]):
+        self._pending: dict[int, PendingCall] = {}
+        self._ids = itertools.count(1)
+        self._waiter = waiter            # Future.get waits through it (Inbox.wait_for)
+        self._wake_reader = wake_reader  # a thread blocked on the inbox must re-check its future
+        self.outstanding: collections.Counter = collections.Counter()
+        self.dead: dict[str, SupervisionError] = {}
+        self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
+        self._unhandled: list[BaseException] = []
+
+    def new_call(self, keys: list[str], extent, mode: str, what: str) -> tuple[int, PendingCall]:
+        call_id = next(self._ids)
+        p = PendingCall(keys, extent, mode, what)
+        p.future.set_waiter(self._waiter)
+        self._pending[call_id] = p
+        out = self.outstanding
+        for k in keys:
+            out[k] += 1
+        return call_id, p
+
+    def pending_count(self) -> int:
+        """How many calls still wait for a member (tests check nothing is left behind)."""
+        return len(self._pending)
+
+    def pending_of(self, fut: Future) -> PendingCall | None:
+        """The PendingCall behind a call's future (while it has members to hear from)."""
+        for p in list(self._pending.values()):
+            if p.future is fut:
+                return p
+        return None
+
+    def answered_so_far(self, fut: Future) -> list | None:
+        """For a call still pending: per member, (True, value) if it replied, else (False,
+        None). Lets a caller that gives up keep what the members that did answer returned."""
+        p = self.pending_of(fut)
+        return None if p is None else [(bool(a), v) for a, v in zip(p.answered, p.results)]
+
+    def abandon(self, call_id: int) -> None:
+        p = self._pending.pop(call_id, None)
+        if p is not None:
+            for k in p.keys:
+                self.outstanding[k] -= 1
+
+    def on_result(self, msg) -> None:
+        _, call_id, key, ok, value = msg
+        p = self._pending.get(call_id)
+        if p is None:
+            return
+        self.outstanding[key] -= 1
+        if p.deliver(key, ok, value):
+            self._pending.pop(call_id, None)
+
+    def whats_pending(self) -> dict[int, str]:
+        """id(call) -> what, of every pending call (to report what a lost host failed)."""
+        return {id(p): p.what for p in self._pending.values()}
+
+    # ---------------------------------------------------------------- deaths
+    def proc_failed(self, key: str, failure: MeshFailure, hint: str = "") -> None:
+        """A proc is gone: fail every future waiting on it (any thread)."""
+        if key in self.dead:
+            return
+        err = SupervisionError(failure, hint or "Call respawn() on its ProcMesh to replace it; "
+                                                "the other ranks keep their state")
+        self.dead[key] = err
+        for call_id, p in list(self._pending.items()):
+            if key in p.index and p.deliver(key, False, err):
+                self._pending.pop(call_id, None)
+        for fn in list(self.death_listeners):
+            try:
+                fn(key, err)
+            except Exception:
+                log.exception("death listener failed")
+        self._wake_reader()
+
+    # ---------------------------------------------------------------- unhandled failures
+    def raise_unhandled(self) -> None:
+        """Unhandled supervision failures surface on the next interaction, once."""
+        if self._unhandled:
+            err = self._unhandled.pop(0)
+            raise err
+
+    def has_unhandled(self) -> bool:
+        return bool(self._unhandled)
+
+    def unhandled(self) -> list[BaseException]:
+        """The failures still to surface (a copy)."""
+        return list(self._unhandled)
+
+    def queue_unhandled(self, err: BaseException) -> None:
+        self._unhandled.append(err)
+
+    def consume_unhandled(self, err: BaseException) -> None:
+        """``err`` is raised to the user now: don't raise it again at the next interaction."""
+        try:
+            self._unhandled.remove(err)
+        except ValueError:
+            pass

@@ -1,0 +1,356 @@
+"""The inbox and the runtime's one concurrency story.
+
+Every thread that touches the runtime, and what it may do:
+
+  * **the I/O thread** (``monarch-io``, one per process, ``Inbox._io_loop``): owns the
+    DEALER links to host agents (agent_links.py: requests, events, heartbeats) and reads
+    the inbox (a PULL socket every reply, output line and notice is sent to) while no
+    other thread waits on it. It resolves Futures and runs message handlers.
+  * **user threads** (the main thread, a notebook's kernel thread, any thread the user
+    starts): send (transport.py: a PUSH socket per thread and destination) and wait.
+    A thread blocked in ``Future.get`` reads the inbox itself (``wait_for``, leader /
+    follower below), so its reply wakes it directly instead of through a second thread.
+    Work for the agent links is handed to the I/O thread with ``call_in_io`` (a queue
+    and a byte on a wake pipe).
+  * **a proc's main thread** (node/proc.py) runs user code; waiting inside an endpoint it
+    also serves its own work inbox (``serve_work_while_waiting``), so an actor can call
+    another actor of its own proc. A proc's ``monarch-async`` thread runs async
+    endpoints; it sends and waits like a user thread.
+  * **helper threads** (``monarch-controller-spawn`` for get_or_spawn_controller, the
+    kernel's ``monarch-spawn`` / ``monarch-prewarm``): user threads by these rules.
+  * **the kernel's asyncio loop** never blocks on the inbox: it learns of results through
+    ``Future.add_done_callback`` + ``call_soon_threadsafe``.
+
+Handlers run on whichever thread reads the inbox at that moment: they must not block on
+another reply (a handler that must, hands the work to a thread, as controllers.py does).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from . import curve, wire
+from .future import Future
+from .transport import ipc_name
+
+log = logging.getLogger("monarch_kernel")
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums cost on the hot path
+
+
+class Inbox:
+    """The PULL socket peers send to, the I/O thread, and who reads the socket when."""
+
+    def __init__(self, ctx: zmq.Context, keyring: wire.Keyring, bind_host: str):
+        self.ctx = ctx
+        self.keyring = keyring
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
+        self.curve_public = curve.process_keys()[0].decode() if curve.wanted(bind_host) else ""
+        self.address = curve.with_key(curve.bind(self.sock, f"tcp://{bind_host}:*",
+                                                 curve.process_keys()[1] if self.curve_public else None),
+                                      self.curve_public)
+        # Peers on this host reach the inbox over ipc (an abstract socket: no file to leak,
+        # scoped to this network namespace), 5-30 us quicker a round trip than tcp here.
+        self.ipc_address = ipc_name("inbox")
+        self.sock.bind(self.ipc_address)
+        keyring.accept("inbox", wire.dest_id(self.address), wire.dest_id(self.ipc_address))
+        self._tasks: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closing = False
+        # Hand-off (see wait_for): whoever holds _lock reads the inbox.
+        self._lock = threading.Lock()
+        self._holder: int | None = None      # thread ident of the reader
+        self._wanted = 0                     # user threads that want to read it
+        self._want_lock = threading.Lock()
+        self._released_at = 0.0
+        # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
+        self._nested_work: tuple | None = None
+        self._nested_thread: int | None = None
+        # The debugger's console (issue 5): a thread blocked in Future.get() runs hook() when
+        # it is that hook's thread and someone called want_wait_hook(). It runs inside get(),
+        # with the inbox handed back to the I/O thread, so it may block (input()) and wait on
+        # other futures.
+        self._wait_hook: tuple[int, Callable[[], None]] | None = None
+        self._wait_hook_due = False
+        self._dispatch: Callable = _ignore
+        self._wake_self: Callable[[], None] = _noop
+        self._agents = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, dispatch: Callable, agents, wake_self: Callable[[], None]) -> None:
+        """Start the I/O thread. ``dispatch(msg)`` handles an inbox message; ``agents``: the
+        AgentLinks it polls and ticks; ``wake_self()`` sends this inbox a message."""
+        self._dispatch, self._agents, self._wake_self = dispatch, agents, wake_self
+        self._poller = zmq.Poller()       # without the inbox
+        self._poller_in = zmq.Poller()    # with it
+        self._poller_in.register(self.sock, zmq.POLLIN)
+        for p in (self._poller, self._poller_in):
+            p.register(self._wake_r, zmq.POLLIN)
+        self._thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        self._thread.start()
+
+    def is_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    # ----------------------------------------------------------------- work for the I/O thread
+    def call_in_io(self, fn: Callable[[], None]) -> None:
+        if threading.current_thread() is self._thread:
+            fn()
+            return
+        self._tasks.append(fn)
+        os.write(self._wake_w, b"x")
+
+    def watch_socket(self, sock) -> None:
+        """(I/O thread) Poll ``sock`` too (an agent link)."""
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller_in.register(sock, zmq.POLLIN)
+
+    def unwatch_socket(self, sock) -> None:
+        self._poller.unregister(sock)
+        self._poller_in.unregister(sock)
+
+    # ----------------------------------------------------------------- the I/O thread
+    def _io_loop(self):
+        """Poll agents and the wake pipe always; the inbox only while no user thread waits
+        on it (and not within 1 ms of one letting go, so back-to-back calls don't churn)."""
+        from .agent_links import HEARTBEAT_S
+
+        poller, poller_in, agents = self._poller, self._poller_in, self._agents
+        inbox, opener, lock, dispatch = self.sock, self.keyring.open, self._lock, self._dispatch
+        me = threading.get_ident()
+        next_tick = 0.0
+        while not self._closing:
+            have = False
+            if not self._wanted and time.monotonic() - self._released_at > 0.001:
+                have = lock.acquire(blocking=False)
+                if have and self._wanted:
+                    lock.release()
+                    have = False
+            try:
+                if have:
+                    self._holder = me
+                events = (poller_in if have else poller).poll(100 if have or not self._wanted_recently() else 2)
+            except zmq.ZMQError:
+                if have:
+                    self._holder = None
+                    lock.release()
+                if self._closing:
+                    return
+                raise
+            try:
+                for sock, _ in events:
+                    if sock is inbox:
+                        for _ in range(10_000):
+                            if not inbox.getsockopt(_EVENTS) & _POLLIN:
+                                break
+                            msg = opener(wire.recv_message(inbox), "inbox")
+                            if msg is not None and type(msg) is tuple:
+                                dispatch(msg)
+                    elif sock == self._wake_r:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                        while self._tasks:
+                            fn = self._tasks.popleft()
+                            try:
+                                fn()
+                            except Exception:
+                                log.exception("I/O task failed")
+                    else:
+                        link = agents.owns(sock)
+                        if link is not None:
+                            agents.on_socket(link)
+            finally:
+                if have:
+                    self._holder = None
+                    lock.release()
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + HEARTBEAT_S / 2
+                agents.tick(now)
+
+    def _wanted_recently(self) -> bool:
+        return bool(self._wanted) or time.monotonic() - self._released_at <= 0.001
+
+    def wake_reader(self) -> None:
+        """A user thread blocked on the inbox in wait_for must re-check its future."""
+        holder = self._holder
+        if holder is not None and holder != threading.get_ident():
+            self._wake_self()
+
+    # ----------------------------------------------------------------- waiting on the inbox
+    def wait_for(self, fut: Future, timeout: float | None) -> None:
+        """Called by ``Future.get`` on a pending future: read the inbox in this thread until
+        ``fut`` is done, so its reply wakes this thread directly.
+
+        Leader/follower: the inbox is read by whoever holds ``_lock`` (a mutex is the full
+        memory barrier zmq asks for to move a socket between threads). The I/O thread holds
+        it only while nobody waits and gives it up when kicked through the wake pipe; a
+        second waiting thread leaves the inbox to the first and waits on its future.
+        """
+        me = threading.get_ident()
+        if threading.current_thread() is self._thread or self._holder == me:
+            return  # re-entrant (a handler waiting): fall back to the plain wait
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = fut.done
+        with self._want_lock:
+            self._wanted += 1
+        try:
+            while not done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise fut.timeout_error(timeout)
+                if self._lock.acquire(blocking=False) or self._lock.acquire(timeout=0.002):
+                    self._holder = me
+                    try:
+                        self._pump(fut, deadline, timeout)
+                    finally:
+                        self._holder = None
+                        self._lock.release()
+                    hook = self._wait_hook
+                    if self._wait_hook_due and hook is not None and hook[0] == me and not done():
+                        self._run_wait_hook(hook[1])
+                        continue
+                    return
+                holder = self._holder
+                if holder == self._thread.ident:
+                    os.write(self._wake_w, b"i")   # kick the I/O thread out of its poll
+                elif holder is not None:
+                    fut.wait_briefly(0.01 if left is None else min(0.01, left))
+        finally:
+            with self._want_lock:
+                self._wanted -= 1
+            self._released_at = time.monotonic()
+
+    def _pump(self, fut: Future, deadline, timeout) -> None:
+        inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
+        events, POLLIN, zpoll, poll_in = _EVENTS, _POLLIN, zmq.zmq_poll, [(self.sock, _POLLIN)]
+        if self._nested_work is not None and threading.get_ident() == self._nested_thread:
+            return self._pump_nested(fut, deadline, timeout)
+        done = fut.done
+        while not done():
+            if self._wait_hook_due:
+                hook = self._wait_hook
+                if hook is not None and hook[0] == threading.get_ident():
+                    return
+            if not inbox.getsockopt(events) & POLLIN:
+                if not zpoll(poll_in, _ms_left(deadline, fut, timeout)):
+                    continue
+            msg = opener(recv(inbox), "inbox")
+            if msg is not None and type(msg) is tuple:
+                dispatch(msg)
+
+    def _pump_nested(self, fut: Future, deadline, timeout) -> None:
+        """A proc's main thread waiting inside an endpoint: besides its replies, take work
+        from its own work inbox, so a sync endpoint can call another actor of its own proc
+        without deadlocking."""
+        inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
+        work, handle = self._nested_work
+        events, POLLIN = _EVENTS, _POLLIN
+        poller = zmq.Poller()
+        poller.register(inbox, POLLIN)
+        poller.register(work, POLLIN)
+        done = fut.done
+        while not done():
+            if inbox.getsockopt(events) & POLLIN:
+                msg = opener(recv(inbox), "inbox")
+                if msg is not None and type(msg) is tuple:
+                    dispatch(msg)
+                continue
+            if work.getsockopt(events) & POLLIN:
+                handle(recv(work))
+                continue
+            poller.poll(_ms_left(deadline, fut, timeout))
+
+    def serve_work_while_waiting(self, work_sock, handler: Callable) -> None:
+        """(a proc's main thread) While it waits on a future, also pass what arrives on
+        ``work_sock`` to ``handler(frames)``."""
+        self._nested_work = (work_sock, handler)
+        self._nested_thread = threading.get_ident()
+
+    # ----------------------------------------------------------------- the wait hook
+    def set_wait_hook(self, hook: tuple[int, Callable[[], None]] | None):
+        """``hook``: (thread ident, fn) or None; returns the previous one."""
+        old, self._wait_hook = self._wait_hook, hook
+        return old
+
+    @property
+    def wait_hook(self):
+        return self._wait_hook
+
+    def want_wait_hook(self) -> None:
+        """Make the hook's thread run it as soon as it waits in Future.get (or now, if it does)."""
+        self._wait_hook_due = True
+
+    def _run_wait_hook(self, fn: Callable[[], None]) -> None:
+        """Run the wait hook with the inbox left to the I/O thread."""
+        self._wait_hook_due = False
+        with self._want_lock:
+            self._wanted -= 1
+        self._released_at = time.monotonic()
+        try:
+            fn()
+        finally:
+            with self._want_lock:
+                self._wanted += 1
+
+    # ----------------------------------------------------------------- binding and closing
+    def bind_also(self, host: str) -> tuple[str, str]:
+        """Also accept on ``tcp://host:*``; returns (address, CURVE public key or ""). The
+        socket is taken over as ``wait_for`` does, so no other thread touches it meanwhile."""
+        with self._want_lock:
+            self._wanted += 1
+        try:
+            while not self._lock.acquire(timeout=0.002):
+                if self._holder == self._thread.ident:
+                    os.write(self._wake_w, b"i")
+            try:
+                pub = curve.process_keys()[0].decode() if curve.wanted(host) else ""
+                addr = curve.with_key(curve.bind(self.sock, f"tcp://{host}:*",
+                                                 curve.process_keys()[1] if pub else None), pub)
+                self.keyring.accept("inbox", wire.dest_id(addr))
+            finally:
+                self._lock.release()
+        finally:
+            with self._want_lock:
+                self._wanted -= 1
+        return addr, pub
+
+    def close(self) -> bool:
+        """Stop the I/O thread (joined unless called from it). False if already closing."""
+        if self._closing:
+            return False
+        self._closing = True
+        os.write(self._wake_w, b"x")
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join(2)
+        return True
+
+
+def _ms_left(deadline: float | None, fut: Future, timeout) -> int:
+    """Milliseconds to poll before ``deadline`` (-1: no deadline); past it, the timeout."""
+    if deadline is None:
+        return -1
+    ms = int((deadline - time.monotonic()) * 1000)
+    if ms <= 0:
+        raise fut.timeout_error(timeout)
+    return ms
+
+
+def _ignore(msg) -> None:
+    pass
+
+
+def _noop() -> None:
+    pass

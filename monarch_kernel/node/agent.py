@@ -87,12 +87,18 @@ class HostAgent:
         _raise_fd_limit()
         # Off this host, the link is CurveZMQ too (keys derived from the mesh key, curve.py).
         secret = curve.agent_keys(self.key)[1] if curve.wanted(a.bind) else None
-        self.addr = curve.bind(self.router, f"tcp://{a.bind}:{a.port or '*'}", secret)
+        if a.bind in _WILDCARDS and a.bind != "::" and a.bind != "[::]":
+            # Each address in the mode its peers expect (a peer on this host may dial 127.0.0.1).
+            self.addr = curve.bind_every_interface(self.router, a.port or "*", curve.agent_keys(self.key)[1])
+            self.addr = f"tcp://{a.bind}:{self.addr.rsplit(':', 1)[1]}"
+        else:
+            self.addr = curve.bind(self.router, f"tcp://{a.bind}:{a.port or '*'}", secret)
         if a.bind in _WILDCARDS:
             # Bound to every interface (as a pod's agent may be): tell peers, and bind our
             # procs to, an address they can reach, never 0.0.0.0.
             self.bind_host = _reachable_ip()
             self.addr = self.addr.replace(f"//{a.bind}:", f"//{self.bind_host}:", 1)
+        self.keyring.accept("agent router", wire.dest_id(self.addr))   # requests name this port
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[str, dict] = {}        # spawn id -> {ident, req, keys}
@@ -128,7 +134,8 @@ class HostAgent:
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
         try:
-            self.router.send_multipart([ident, *self.keyring.sign(self.key, wire.dumps(msg))], copy=False)
+            self.router.send_multipart([ident, *self.keyring.sign(self.key, wire.dumps(msg),
+                                                                   wire.dest_of_identity(ident))], copy=False)
         except zmq.ZMQError as e:
             log.warning("could not send to %r: %s", ident, e)
 

@@ -105,6 +105,7 @@ class ProcWorker:
                                         rt.curve_public)
         self.work_ipc = ipc_name("work")
         self.work.bind(self.work_ipc)
+        rt.keyring.accept("work inbox", wire.dest_id(self.work_addr), wire.dest_id(self.work_ipc))
         self.busy_call = None   # (reply_to, call_id) of what the main thread runs now
         self.active: list[str] = []                 # actors running sync code on the main thread
         self.deferred: collections.deque = collections.deque()   # their messages, kept for later

@@ -1,9 +1,10 @@
 """The controller's half of fan-out and fan-in (issue 11, section 2): O(hosts) sends.
 
-A message for the members of a mesh (a call, a spawn, a broadcast) is signed once. Members
-on a host with at least ``MONARCH_KERNEL_FANOUT_MIN`` of them get it through that host's agent: one send
-of a small signed envelope plus the message's frames to the agent's fan inbox, which
-pushes the frames to each proc (node/fanout.py). Their replies, and the output they write
+A message for the members of a mesh (a call, a spawn, a broadcast) is pickled once.
+Members on a host with at least ``MONARCH_KERNEL_FANOUT_MIN`` of them get it through that
+host's agent: one signed send to the agent's fan inbox, which signs it for each of its
+procs (every message is bound to its receiving socket, wire.py) and pushes it over ipc
+(node/fanout.py). Their replies, and the output they write
 meanwhile, come back in one batch per host (``"rb"``): one signature checked here for the
 batch (the agent checked each proc's), and only the values unpickled. Members on hosts below the threshold, and
 point-to-point calls (``call_one``, a single-rank slice), keep the one-hop path.
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 
 from . import wire
 from .errors import ActorError
+from .transport import is_local
 
 log = logging.getLogger("monarch_kernel")
 
@@ -60,13 +63,17 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     dests = [r.work for r in refs]
     inner = None
     if groups:
+        # Pickled once; each agent gets it inside its envelope (the header in the MAC'd part,
+        # tensors out of band) and signs it for each of its procs (replays stay per socket).
         fanned = (*msg[:reply_at], FAN_PREFIX + msg[reply_at], *msg[reply_at + 1:])
-        inner = rt.pack(key, fanned, dests)
+        local = len(dests) if wire.LARGE_TENSOR_HOOK is not None and all(map(is_local, dests)) else 0
+        inner = wire.dumps(fanned, local)
+        bufs = [pickle.PickleBuffer(b) for b in inner[1:]]
     frames = rt.pack(key, msg, dests) if direct else None
     if inner is not None:
         for agent, members in groups.items():
-            env = rt.keyring.sign(key, wire.dumps(("fan", [r.key for r in members], rt.contact, call_id)))
-            rt.send_frames(_routes[agent], [*env, *inner])
+            env = ("fan", [r.key for r in members], rt.contact, call_id, inner[0], bufs)
+            rt.send_frames(_routes[agent], rt.pack(key, env))
     for r in direct:
         rt.send_frames(r.work, frames)
 

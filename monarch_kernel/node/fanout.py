@@ -1,11 +1,11 @@
 """The host agent's half of fan-out and fan-in (issue 11, section 2): one message per host.
 
 Fan-out. The controller sends a call, a spawn or a broadcast for many procs of this host
-to the agent's *fan inbox* once: a small signed envelope ``("fan", proc keys, reply
-contact)`` followed by the inner message's frames, signed once by the controller for every
-member. The agent checks the envelope and pushes the inner frames, unchanged, to each
-proc's work inbox over ipc. Procs check the inner signature themselves (end to end): the
-agent adds no trust, only saves the controller N-1 sends.
+to the agent's *fan inbox* once: ``("fan", proc keys, reply contact, call id, the inner
+message's pickled header, its buffers)``, signed for this inbox. The agent checks it, MACs
+the inner message's body once, and stamps it for each proc's work inbox (a signed message
+names its receiving socket, so it cannot be replayed to another; wire.py), then pushes it
+over ipc. The agent holds the mesh key anyway; it never unpickles the inner message.
 
 Fan-in. A fanned call carries ``reply_to = "fan+" + controller address``. Its procs send
 the reply, and the output written while they run it, to the agent's *gather inbox* (ipc),
@@ -41,13 +41,13 @@ MAX_HELD = 4096   # messages held for one destination before a batch goes regard
 
 
 class _Held:
-    __slots__ = ("items", "buffers", "since", "sock")
+    __slots__ = ("items", "buffers", "since", "sock", "dest")
 
-    def __init__(self, sock):
+    def __init__(self, sock, dest: bytes):
         self.items: list = []
         self.buffers: list = []
         self.since = 0.0
-        self.sock = sock
+        self.sock, self.dest = sock, dest   # dest: the controller inbox's name (wire.dest_id)
 
 
 class FanRelay:
@@ -69,6 +69,8 @@ class FanRelay:
         self.gather.setsockopt(zmq.RCVHWM, 0)
         self.gather_ipc = ipc_name("gather")
         self.gather.bind(self.gather_ipc)
+        agent.keyring.accept("fan inbox", wire.dest_id(self.fan_tcp), wire.dest_id(self.fan_ipc))
+        agent.keyring.accept("gather inbox", wire.dest_id(self.gather_ipc))
         self.to_procs: dict[str, zmq.Socket] = {}     # proc work ipc -> PUSH
         self.held: dict[str, _Held] = {}              # destination address -> what waits for it
         self.contacts: dict[str, list] = {}           # destination address -> its contact
@@ -129,18 +131,19 @@ class FanRelay:
                 frames = self.fan_in.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            env = agent.keyring.open(frames[:1], "fan inbox")
-            if type(env) is not tuple or len(env) != 4 or env[0] != "fan" or len(frames) < 2:
+            env = agent.keyring.open(frames, "fan inbox")
+            if type(env) is not tuple or len(env) != 6 or env[0] != "fan":
                 continue
-            _, keys, contact, call_id = env
-            inner = frames[1:]
+            _, keys, contact, call_id, header, bufs = env
+            sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
             sent = 0
             for key in keys:
                 p = agent.procs.get(key)
                 if p is None or p.state != "alive" or p.ref is None:
                     continue   # dead or stopped: the controller hears that from us, once
                 try:
-                    self._to_proc(p.ref).send_multipart(inner, copy=False)
+                    addr = p.ref.work_ipc or p.ref.work
+                    self._to_proc(p.ref).send_multipart(agent.keyring.stamp(sealed, wire.dest_id(addr)), copy=False)
                     sent += 1
                 except zmq.ZMQError as e:
                     log.warning("could not forward to proc %s: %s", key, e)
@@ -179,7 +182,7 @@ class FanRelay:
                 contact = self.contacts.get(dest)
                 if contact is None:
                     continue   # nobody asked us to gather for it: not ours to forward
-                h = self.held[dest] = _Held(self._connect(contact))
+                h = self.held[dest] = _Held(*self._connect(contact))
             if not h.items:
                 h.since = time.monotonic()
             if msg[0] == "rv" and len(msg) == 6:
@@ -201,22 +204,22 @@ class FanRelay:
         for dest in done:
             self._flush(dest, self.held[dest])
 
-    def _connect(self, contact) -> zmq.Socket:
+    def _connect(self, contact) -> tuple[zmq.Socket, bytes]:
         s = self.agent.ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.LINGER, 0)
         addr, ipc, hid = contact[0], contact[1], contact[2]
         if ipc and hid == host_id():
             s.connect(ipc)
-        else:
-            curve.connect(s, addr, contact[3] if len(contact) > 3 and contact[3] else None)
-        return s
+            return s, wire.dest_id(ipc)
+        curve.connect(s, addr, contact[3] if len(contact) > 3 and contact[3] else None)
+        return s, wire.dest_id(addr)
 
     def _flush(self, dest: str, h: _Held) -> None:
         agent = self.agent
         # Values' buffers (tensors) ride out of band, zero copy, as they came.
         batch = agent.keyring.sign(agent.key, wire.dumps(
-            ("rb", h.items, [pickle.PickleBuffer(b) for b in h.buffers])))
+            ("rb", h.items, [pickle.PickleBuffer(b) for b in h.buffers])), h.dest)
         try:
             h.sock.send_multipart(batch, copy=False)
         except zmq.ZMQError as e:
@@ -251,7 +254,8 @@ def send_fanned_reply(rt, gather: str, key: bytes, reply_to: str, call_id: int, 
     except Exception as e:
         ok, vframes = False, wire.dumps(unsendable(e))
     msg = ("rv", call_id, proc_key, ok, vframes[0], [pickle.PickleBuffer(b) for b in vframes[1:]])
-    rt.send_frames(gather, [f"{dest}\0{call_id}".encode(), *rt.pack(key, msg)])
+    frames = rt.keyring.stamp(rt.pack(key, msg), wire.dest_id(gather))
+    rt.send_frames(gather, [f"{dest}\0{call_id}".encode(), *frames])
 
 
 def output_route(gather: str | None, busy_call, sink_addr: str) -> bytes | None:

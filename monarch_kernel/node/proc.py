@@ -143,7 +143,9 @@ class ProcWorker:
         try:
             route = fanout.output_route(self.gather, self.busy_call, sink[0])
             if route is not None:
-                self.rt.send_frames(self.gather, [route, *self.rt.pack(sink[1], ("out", self.rank, stream, text))])
+                frames = self.rt.keyring.stamp(self.rt.pack(sink[1], ("out", self.rank, stream, text)),
+                                               wire.dest_id(self.gather))
+                self.rt.send_frames(self.gather, [route, *frames])
                 return
             self.rt.send(sink[0], sink[1], ("out", self.rank, stream, text))
         except zmq.ZMQError:

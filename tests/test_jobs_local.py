@@ -264,3 +264,23 @@ def test_a_notebook_runs_cells_on_the_mesh_of_a_multi_mesh_job_it_names_and_move
         assert not [p for p in agents if _running(p)]
     finally:
         k.close(stop_meshes=("multi",))
+
+
+def test_kill_of_the_kernel_pid_ends_the_agents_of_its_process_job_mesh():
+    import signal
+
+    from kernel_harness import KernelHarness, home_processes
+
+    k = KernelHarness(env={"MONARCH_KERNEL_NO_TORCH": "1"})
+    try:
+        k.ok("from monarch_kernel.job import ProcessJob\npj = ProcessJob({'hosts': 2}, name='kterm')")
+        k.ok("%mesh connect kterm --job pj --procs 1", timeout=120)
+        kernel = k.value("__import__('os').getpid()")
+        assert len(home_processes(k.home) - {kernel}) >= 6   # 2 agents, 2 zygotes, 2 procs
+        os.kill(kernel, signal.SIGTERM)   # a user's `kill <kernel pid>`
+        deadline = time.monotonic() + 10
+        while home_processes(k.home) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not home_processes(k.home), "agents left for their lease after the kernel got SIGTERM"
+    finally:
+        k.close()

@@ -97,3 +97,26 @@ def test_connect_ssh_cell_runs_cells_on_both_hosts_shows_the_job_and_stop_ends_e
         assert k.run("%%on_mesh\n1").status == "error"
     finally:
         k.close(stop_meshes=("far",))
+
+
+def test_an_interrupt_while_ssh_starts_the_agents_leaves_none_running(hosts, tmp_path):
+    import signal
+    import threading
+
+    slow = tmp_path / "slow-python"   # each host takes 3 s to start: the interrupt lands meanwhile
+    slow.write_text(f'#!/bin/sh\nsleep 3\nexec {sys.executable} "$@"\n')
+    slow.chmod(0o755)
+    before = home_processes(os.environ["MONARCH_KERNEL_HOME"])
+    job = _job(hosts, python_exe=str(slow), name="ssh-interrupted")
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.state()
+    finally:
+        timer.cancel()
+    deadline = time.monotonic() + 10
+    while home_processes(os.environ["MONARCH_KERNEL_HOME"]) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not home_processes(os.environ["MONARCH_KERNEL_HOME"]) - before, "agents left on the hosts"
+    assert not job.active

@@ -62,6 +62,7 @@ class Inbox:
         # scoped to this network namespace), 5-30 us quicker a round trip than tcp here.
         self.ipc_address = ipc_name("inbox")
         self.sock.bind(self.ipc_address)
+        keyring.accept("inbox", wire.dest_id(self.address), wire.dest_id(self.ipc_address))
         self._tasks: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -318,6 +319,7 @@ class Inbox:
                 pub = curve.process_keys()[0].decode() if curve.wanted(host) else ""
                 addr = curve.with_key(curve.bind(self.sock, f"tcp://{host}:*",
                                                  curve.process_keys()[1] if pub else None), pub)
+                self.keyring.accept("inbox", wire.dest_id(addr))
             finally:
                 self._lock.release()
         finally:

@@ -273,6 +273,38 @@ class Ev(NamedTuple):
     name: str
 
 
+# ============================================================================ fan-out (core/fanout.py, node/fanout.py)
+@message("fan")
+class Fan(NamedTuple):
+    """One call, spawn or broadcast for many procs of a host (controller -> the agent's fan
+    inbox); the agent stamps the inner message for each proc's work inbox."""
+    kind: str
+    keys: list             # the member procs' keys on this host
+    contact: Any           # where replies go (the caller's contact)
+    call_id: int
+    header: bytes          # the inner message's pickled header (the agent never unpickles it)
+    buffers: list
+
+
+@message("rv")
+class FannedReply(NamedTuple):
+    """A member's reply to a fanned call, its value pickled apart (proc -> agent's gather inbox)."""
+    kind: str
+    call_id: int
+    key: str
+    ok: bool
+    value_header: bytes
+    value_buffers: list
+
+
+@message("rb")
+class ReplyBatch(NamedTuple):
+    """A host's replies and output, in order, one signed batch (agent -> the caller's inbox)."""
+    kind: str
+    items: list
+    buffers: list
+
+
 # ============================================================================ who handles what
 # kind -> "module:qualified name" of the function that handles it where it arrives.
 HANDLERS: dict[str, str] = {
@@ -297,6 +329,9 @@ HANDLERS: dict[str, str] = {
     "req": "monarch_kernel.node.agent:HostAgent._drain_router",   # then op_<op>
     "rep": "monarch_kernel.core.agent_links:AgentLinks.on_socket",
     "ev": "monarch_kernel.core.agent_links:AgentLinks.on_socket",
+    "fan": "monarch_kernel.node.fanout:FanRelay._drain_fan",
+    "rv": "monarch_kernel.node.fanout:FanRelay._drain_gather",
+    "rb": "monarch_kernel.core.fanout:_on_batch",
 }
 # Kinds features register (extensions.register_message_kind / Runtime.on_message) are
 # declared beside their handlers: "dbg", "dbg_in", "dbg_pm" (debug/), "dap_src" (debug/

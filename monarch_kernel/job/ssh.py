@@ -89,29 +89,33 @@ class SSHJob(JobTrait):
         token = secrets.token_hex(8)
         rv = Rendezvous(ip, key, token)
         self._handle = {"id": f"ssh-{token}", "agents": {}}
+        reports: dict[int, dict] = {}
         try:
             progress(f"ssh: starting agents on {len(self.hosts)} hosts")
             with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
                 results = list(pool.map(lambda ih: self._start(ih[0], ih[1], rv.address, token, key),
                                         enumerate(self.hosts)))
-            reports: dict[int, dict] = {}
             started = sum(ok for ok, _ in results)   # each of those sent its report before ssh returned
             deadline = time.monotonic() + 5
             while len(reports) < started and time.monotonic() < deadline:
-                for rep in rv.poll(0.1):
-                    reports[int(rep["rank"])] = rep
+                self._collect(rv, reports, 0.1)
             failed = [(h, why) for h, (ok, why) in zip(self.hosts, results) if not ok]
-            for rank, rep in reports.items():
-                if rep.get("error"):
-                    failed.append((self.hosts[rank], rep["error"]))
-                elif "pid" in rep:
-                    self._handle["agents"][str(rank)] = rep["pid"]
+            failed += [(self.hosts[rank], rep["error"]) for rank, rep in reports.items() if rep.get("error")]
             missing = [self.hosts[i] for i in range(len(self.hosts)) if i not in reports]
             if failed or missing:
                 why = "; ".join(f"{h}: {w}" for h, w in failed) or \
                     f"no report from {', '.join(missing)} (can it reach {ip}?)"
                 raise JobError(f"ssh job {self.name!r}: could not start an agent on every host ({why}); "
                                "none were left running")
+        except JobError:
+            raise
+        except BaseException:
+            # Interrupted while ssh sessions ran: a node starter may still bring its agent
+            # up and report it; note every one that does, so that state() stops them all.
+            deadline = time.monotonic() + 5
+            while len(reports) < len(self.hosts) and time.monotonic() < deadline:
+                self._collect(rv, reports, 0.1)
+            raise
         finally:
             rv.close()
         agents = []
@@ -123,6 +127,16 @@ class SSHJob(JobTrait):
                 agents.append({"addr": rep["addr"], "host": rep["host"], "pid": rep["pid"], "mesh": mesh,
                                "rank": i, "ssh": self.hosts[rank]})
         return agents
+
+    def _collect(self, rv: Rendezvous, reports: dict[int, dict], timeout: float) -> int:
+        """Read the reports that came within ``timeout``; each started agent goes into the
+        handle at once (what ``_release`` stops). Returns how many came."""
+        got = rv.poll(timeout)
+        for rep in got:
+            reports[int(rep["rank"])] = rep
+            if "pid" in rep and not rep.get("error"):
+                self._handle["agents"][str(rep["rank"])] = rep["pid"]
+        return len(got)
 
     def _start(self, rank: int, host: str, report: str, token: str, key: bytes) -> tuple[bool, str]:
         cmd = [self.python_exe, "-m", "monarch_kernel.job.node", "--report", report, "--token", token,

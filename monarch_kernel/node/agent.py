@@ -45,6 +45,7 @@ from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
+from monarch_kernel.node.fanout import FanRelay
 from monarch_kernel.telemetry.agent import AgentTelemetry
 
 log = logging.getLogger("monarch_kernel.agent")
@@ -128,6 +129,7 @@ class HostAgent:
         self.sync_thread: threading.Thread | None = None
         self._load_sync_setup()
         self.telemetry = AgentTelemetry(self)   # samples, proc events, logs (ops tel_*; see its module)
+        self.fanout = FanRelay(self)   # one message per host for calls to many procs (node/fanout.py)
 
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
@@ -153,14 +155,20 @@ class HostAgent:
         os.set_blocking(zfd, False)
         poller.register(zfd, zmq.POLLIN)
         poller.register(self.sync_wake_r, zmq.POLLIN)
+        fan_socks = self.fanout.sockets()
+        for s in fan_socks:
+            poller.register(s, zmq.POLLIN)
         while not self.stopping:
-            for sock, _ in poller.poll(100):
+            for sock, _ in poller.poll(self.fanout.timeout_ms(100)):
                 if sock is self.router:
                     self._drain_router()
                 elif sock == zfd:
                     self._read_zygote(zfd)
                 elif sock == self.sync_wake_r:
                     self._send_sync_replies()
+                elif sock in fan_socks:
+                    self.fanout.on_readable(sock)
+            self.fanout.tick()
             self._check_liveness()
             self.telemetry.tick(time.monotonic())
         self.shutdown()
@@ -259,7 +267,7 @@ class HostAgent:
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
                "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
                "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
-               "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank)}
+               "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank), **self.fanout.proc_config()}
         if self.zygote_ready:
             self._write_zygote({"op": "fork", "cfg": cfg})
         else:
@@ -274,6 +282,7 @@ class HostAgent:
         p.state = "dead"
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         self.telemetry.proc_exited(p, pid, how, stopping=was == "stopping")
+        self.fanout.forget_proc(p)
         if was == "stopping":
             self.procs.pop(p.key, None)
             return
@@ -286,6 +295,7 @@ class HostAgent:
                            RuntimeError(f"proc rank {p.rank} on {self.host} {how} while starting; the other "
                                         f"procs of this spawn were stopped"))
                 self._cancel_spawn(sp["keys"])
+        self.fanout.flush_all()   # what it sent before dying arrives before its death
         self.event("died", p.key, failure)
         for q in self.procs.values():
             if q.state == "alive" and q.ident is not None:
@@ -371,7 +381,7 @@ class HostAgent:
         return {"name": self.name, "host": self.host, "pid": os.getpid(), "pid_space": pid_space(),
                 "addr": self.addr,
                 "persistent": self.persistent, "lease": self.lease, "registry": self.registry,
-                "dead": {k: p.rank for k, p in self.procs.items() if p.state == "dead"}}
+                "dead": {k: p.rank for k, p in self.procs.items() if p.state == "dead"}, **self.fanout.describe()}
 
     def op_hb(self, ident, req, controller_addr=None):
         if ident != self.controller and self.controller is None and controller_addr:
@@ -539,6 +549,7 @@ class HostAgent:
                 os.unlink(self.conn_file)
             except FileNotFoundError:
                 pass
+        self.fanout.close()
         self.router.close(0)
         self.ctx.term()
 

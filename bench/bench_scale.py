@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--n", default="4,16,64", help="proc counts, comma-separated")
     ap.add_argument("--with-256", action="store_true", help="also N=256 (minutes, GBs of memory)")
     ap.add_argument("--no-ipyparallel", action="store_true")
+    ap.add_argument("--ipp-n", default="", help="engine counts for ipyparallel (default: the same as --n)")
     ap.add_argument("--no-kernel", action="store_true")
     ap.add_argument("--hosts8", action="store_true", help="also 256 procs as 8 netns hosts x 32 (root)")
     a = ap.parse_args()
@@ -219,7 +220,7 @@ def main() -> None:
     if not a.no_kernel:
         kernel_cells(ns)
     if not a.no_ipyparallel:
-        for n in ns:
+        for n in [int(x) for x in a.ipp_n.split(",") if x] or ns:
             try:
                 ipyparallel_bcast(n)
             except Exception as e:   # a figure we could not take is said so, not dropped silently

@@ -1,5 +1,5 @@
 """The host agent keeps answering while its zygote falls behind: a spawn of many procs
-queues more fork commands than the zygote's stdin pipe holds (64 KB, ~1 KB a command); an
+queues more fork commands than the zygote's stdin pipe holds (64 KB, ~0.6 KB a command); an
 agent blocked writing them answered no heartbeat, and the controller declared the host lost
 (found spawning 256 procs from a kernel on 2 loaded cores)."""
 from __future__ import annotations

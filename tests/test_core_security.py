@@ -173,3 +173,20 @@ def test_everything_listens_on_loopback_by_default(mesh):
                      if c.status == psutil.CONN_LISTEN]
         assert listening, f"pid {pid} listens on nothing?"
         assert {c.laddr.ip for c in listening} == {"127.0.0.1"}, (pid, listening)
+
+
+def test_a_socket_reached_by_two_names_accepts_each_message_once():
+    """A socket is named by its tcp port and its ipc name; one sender numbers messages per
+    name, so both streams are accepted, and each message only once (frames signed as on
+    the wire, opened as the receiving socket does)."""
+    key = os.urandom(32)
+    sender, receiver = wire.Keyring(), wire.Keyring()
+    receiver.add(key)
+    tcp, ipc = wire.dest_id("tcp://127.0.0.1:5000"), wire.dest_id("ipc://@monarch-test")
+    receiver.accept("inbox", tcp, ipc)
+    sent = [sender.sign(key, wire.dumps(("m", name, i)), dest) for i in range(3)
+            for name, dest in (("tcp", tcp), ("ipc", ipc))]
+    assert [receiver.open(f, "inbox") for f in sent] == [("m", n, i) for i in range(3) for n in ("tcp", "ipc")]
+    assert [receiver.open(f, "inbox") for f in sent] == [None] * 6          # replays
+    other = wire.dest_id("tcp://127.0.0.1:5001")
+    assert receiver.open(sender.sign(key, wire.dumps(("m",)), other), "inbox") is None   # not ours

@@ -42,6 +42,7 @@ from .transport import ipc_name
 log = logging.getLogger("monarch_kernel")
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums cost on the hot path
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class Inbox:
@@ -150,10 +151,13 @@ class Inbox:
             try:
                 for sock, _ in events:
                     if sock is inbox:
-                        for _ in range(10_000):
-                            if not inbox.getsockopt(_EVENTS) & _POLLIN:
+                        recv = wire.recv_message
+                        for _ in range(10_000):   # a non-blocking recv: one failed try per batch,
+                            try:                  # cheaper than asking EVENTS before each message
+                                frames = recv(inbox, _NOBLOCK)
+                            except zmq.Again:
                                 break
-                            msg = opener(wire.recv_message(inbox), "inbox")
+                            msg = opener(frames, "inbox")
                             if msg is not None and type(msg) is tuple:
                                 dispatch(msg)
                     elif sock == self._wake_r:

@@ -368,7 +368,7 @@ class _ReplayGuard:
     __slots__ = ("senders", "dests", "opened")
 
     def __init__(self, dests=()):
-        self.senders: dict[bytes, list] = {}   # sender id -> [highest seq, bitmap, last seen]
+        self.senders: dict[bytes, list] = {}   # sender id + dest -> [highest seq, bitmap, last seen]
         self.dests: set[bytes] = set(dests)
         self.opened = 0
 
@@ -378,9 +378,10 @@ class _ReplayGuard:
         now = time.time()
         if abs(now - sent_ms / 1000) > MAX_AGE_S:
             return f"sent {now - sent_ms / 1000:.0f} s ago (limit {MAX_AGE_S:.0f} s; are the clocks in sync?)"
-        w = self.senders.get(sender)
+        stream = sender + dest   # a sender numbers each destination name of this socket apart
+        w = self.senders.get(stream)
         if w is None:
-            self.senders[sender] = [seq, 1, now]
+            self.senders[stream] = [seq, 1, now]
             self.opened += 1
             if self.opened % 4096 == 0:
                 self._prune(now)

@@ -17,7 +17,12 @@ For each N (one host agent, N procs), JSON lines {"system", "metric", "value", "
     ipyparallel_start_s: the same broadcast with ipyparallel's DirectView
     (``apply_sync``) to N engines on this host, started and stopped by this script
     (``pip install -e .[bench]``).
-256 procs only with ``--with-256`` (heavy on a small machine).
+256 procs only with ``--with-256`` (heavy on a small machine; it raises the agent's proc
+cap and lowers its per-proc memory estimate to the measured ~15 MB PSS, through
+MONARCH_KERNEL_MAX_PROCS / MONARCH_KERNEL_PROC_MEM_MB). ``--hosts8``: also 256 procs as 8
+hosts x 32, each host an agent in its own network namespace (root; tests/scale_hosts.py).
+Each call-to-all figure is taken with fan-out through the agent (``"fanout": true``) and,
+alternating in the same run, without it (``MONARCH_KERNEL_FANOUT_MIN=0``: one send per proc).
 """
 from __future__ import annotations
 
@@ -76,41 +81,71 @@ def timed_calls(fn, iters: int) -> list[float]:
     return out
 
 
-def actor_api(host, n: int) -> None:
+def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None:
     from monarch_kernel.core.runtime import runtime
 
+    per_host = per_host or n
     t0 = time.perf_counter()
-    procs = host.spawn_procs(per_host={"gpus": n}, name=f"scale{n}")
+    procs = host.spawn_procs(per_host={"gpus": per_host}, name=f"scale{n}")
     actors = procs.spawn("scale", ScaleBench)
-    actors.noop.call().get()
-    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n)
+    actors.noop.call().get(600)
+    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=hosts)
     iters = iters_for(n)
+    fan_min = os.environ.get("MONARCH_KERNEL_FANOUT_MIN")
     try:
         for _ in range(5):
             actors.noop.call().get()
-        cpu0 = time.process_time()
-        s = timed_calls(lambda: actors.noop.call().get(), iters)
-        cpu = time.process_time() - cpu0
-        emit("call_all_p50_us", pct(s, 0.5) * 1e6, "us", n=n, iters=iters)
-        emit("call_all_p90_us", pct(s, 0.9) * 1e6, "us", n=n, iters=iters)
-        emit("controller_cpu_per_call_all_ms", cpu / iters * 1e3, "ms", n=n, iters=iters)
-        for size, name in ((1024, "1KB"), (1024 * 1024, "1MB")):
-            payload = os.urandom(size)
-            k = max(10, iters // (8 if size > 4096 else 1))
-            s = timed_calls(lambda p=payload: actors.take.call(p).get(), k)
-            emit(f"bcast_{name}_p50_us", pct(s, 0.5) * 1e6, "us", n=n, iters=k)
-        rt = runtime()
-        seen = []
-        old, rt.output = rt.output, lambda rank, stream, text: seen.append(rank)
-        try:
-            k = max(10, iters // 2)
-            s = timed_calls(lambda: actors.say.call(1).get(), k)
-        finally:
-            rt.output = old
-        assert len(seen) == n * k, (len(seen), n * k)
-        emit("output_line_per_rank_p50_us", pct(s, 0.5) * 1e6, "us", n=n, iters=k)
+        for rnd in range(2):   # alternate: fan-out on, off, on, off (same run, same load)
+            for fan in (True, False):
+                os.environ["MONARCH_KERNEL_FANOUT_MIN"] = (fan_min or "4") if fan else "0"
+                tag = {"n": n, "hosts": hosts, "fanout": fan, "round": rnd}
+                cpu0 = time.process_time()
+                s = timed_calls(lambda: actors.noop.call().get(), iters)
+                cpu = time.process_time() - cpu0
+                emit("call_all_p50_us", pct(s, 0.5) * 1e6, "us", iters=iters, **tag)
+                emit("call_all_p90_us", pct(s, 0.9) * 1e6, "us", iters=iters, **tag)
+                emit("controller_cpu_per_call_all_ms", cpu / iters * 1e3, "ms", iters=iters, **tag)
+                if rnd:
+                    continue
+                for size, name in ((1024, "1KB"), (1024 * 1024, "1MB")):
+                    payload = os.urandom(size)
+                    k = max(10, iters // (8 if size > 4096 else 1))
+                    s = timed_calls(lambda p=payload: actors.take.call(p).get(), k)
+                    emit(f"bcast_{name}_p50_us", pct(s, 0.5) * 1e6, "us", iters=k, **tag)
+                rt = runtime()
+                seen = []
+                old, rt.output = rt.output, lambda rank, stream, text, seen=seen: seen.append(rank)
+                try:
+                    k = max(10, iters // 2)
+                    s = timed_calls(lambda: actors.say.call(1).get(), k)
+                finally:
+                    rt.output = old
+                assert len(seen) == n * k, (len(seen), n * k)
+                emit("output_line_per_rank_p50_us", pct(s, 0.5) * 1e6, "us", iters=k, **tag)
     finally:
+        if fan_min is None:
+            os.environ.pop("MONARCH_KERNEL_FANOUT_MIN", None)
+        else:
+            os.environ["MONARCH_KERNEL_FANOUT_MIN"] = fan_min
         procs.stop()
+
+
+def eight_hosts() -> None:
+    """256 procs as 8 hosts x 32, one network namespace each (needs root)."""
+    import scale_hosts
+
+    from monarch_kernel.core.bootstrap import attach_to_workers
+
+    why = scale_hosts.unavailable()
+    if why:
+        emit("hosts8_skipped", 1, "", why=why)
+        return
+    with scale_hosts.AgentHosts(8) as hosts:
+        hm = attach_to_workers(hosts.addrs, key=hosts.key, name="bench-hosts8")
+        try:
+            actor_api(hm, 256, per_host=32, hosts=8)
+        finally:
+            hm.shutdown()
 
 
 def kernel_cells(ns: list[int], cells: int = 20) -> None:
@@ -163,11 +198,16 @@ def main() -> None:
     ap.add_argument("--n", default="4,16,64", help="proc counts, comma-separated")
     ap.add_argument("--with-256", action="store_true", help="also N=256 (minutes, GBs of memory)")
     ap.add_argument("--no-ipyparallel", action="store_true")
+    ap.add_argument("--ipp-n", default="", help="engine counts for ipyparallel (default: the same as --n)")
     ap.add_argument("--no-kernel", action="store_true")
+    ap.add_argument("--hosts8", action="store_true", help="also 256 procs as 8 netns hosts x 32 (root)")
     a = ap.parse_args()
     ns = [int(x) for x in a.n.split(",") if x]
     if a.with_256 and 256 not in ns:
         ns.append(256)
+    if max(ns) > 64:   # the agent's defaults refuse this many procs on a 2-core, 24 GiB host
+        os.environ.setdefault("MONARCH_KERNEL_MAX_PROCS", str(max(ns)))
+        os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     emit("load_average_1m_at_start", os.getloadavg()[0], "", note="shared machine: figures are noisy")
     host = this_host()
     try:
@@ -175,10 +215,12 @@ def main() -> None:
             actor_api(host, n)
     finally:
         host.shutdown()
+    if a.hosts8:
+        eight_hosts()
     if not a.no_kernel:
         kernel_cells(ns)
     if not a.no_ipyparallel:
-        for n in ns:
+        for n in [int(x) for x in a.ipp_n.split(",") if x] or ns:
             try:
                 ipyparallel_bcast(n)
             except Exception as e:   # a figure we could not take is said so, not dropped silently

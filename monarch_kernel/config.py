@@ -194,7 +194,7 @@ SHM_TENSOR_BYTES = _declare("SHM_TENSOR_BYTES", "int", 1 << 20, "tensors at leas
                             "through shared memory", "any", minimum=0)
 
 # ------------------------------------------------------------------- fan-out and fan-in
-FANOUT_MIN = _declare("FANOUT_MIN", "int", 4, "members on one host before a call to them goes through "
+FANOUT_MIN = _declare("FANOUT_MIN", "int", 32, "members on one host before a call to them goes through "
                       "its agent, once (0: fan-out off)", "controller", minimum=0)
 FANIN_FLUSH_S = _declare("FANIN_FLUSH_S", "float", 0.002, "seconds an agent holds its procs' replies and "
                          "output before sending a batch that is not complete", "agent", minimum=0)

@@ -56,12 +56,13 @@ def forged_messages(key: bytes, path: str) -> dict[str, list]:
     Built through wire.Keyring, so they do not depend on the frame layout."""
     evil = pickle.dumps(("call", CreatesAFile(path)), protocol=5)
     benign = pickle.dumps(("call", "x" * len(evil)), protocol=5)
-    signed = wire.Keyring().sign(key, [benign])
+    anywhere = b"\0" * 8   # the checks below come before the destination's
+    signed = wire.Keyring().sign(key, [benign], anywhere)
     # the mesh's key id and a valid signature, but over other bytes than those sent
     swapped = [f[: len(f) - len(benign)] + evil if bytes(f).endswith(benign) else f for f in signed]
     assert swapped != signed
     return {
-        "wrong key": wire.Keyring().sign(os.urandom(32), [evil]),
+        "wrong key": wire.Keyring().sign(os.urandom(32), [evil], anywhere),
         "signature over other bytes": swapped,
         "garbage": [b"\xff" * 100],
         "short garbage": [b"\xff" * 10],
@@ -147,7 +148,8 @@ def test_a_validly_signed_message_is_unpickled(mesh, tmp_path):
     hm, pm, am = mesh
     path = tmp_path / "signed"
     header = pickle.dumps(CreatesAFile(str(path)), protocol=5)   # not a tuple: then ignored
-    send_all(pm.procs()[0].work, {"signed": wire.Keyring().sign(hm._key, [header])})
+    work = pm.procs()[0].work
+    send_all(work, {"signed": wire.Keyring().sign(hm._key, [header], wire.dest_id(work))})
     assert wait_for(lambda: path.exists())
     assert am.echo.call(3).get(30).values() == [3, 3]
 
@@ -171,3 +173,20 @@ def test_everything_listens_on_loopback_by_default(mesh):
                      if c.status == psutil.CONN_LISTEN]
         assert listening, f"pid {pid} listens on nothing?"
         assert {c.laddr.ip for c in listening} == {"127.0.0.1"}, (pid, listening)
+
+
+def test_a_socket_reached_by_two_names_accepts_each_message_once():
+    """A socket is named by its tcp port and its ipc name; one sender numbers messages per
+    name, so both streams are accepted, and each message only once (frames signed as on
+    the wire, opened as the receiving socket does)."""
+    key = os.urandom(32)
+    sender, receiver = wire.Keyring(), wire.Keyring()
+    receiver.add(key)
+    tcp, ipc = wire.dest_id("tcp://127.0.0.1:5000"), wire.dest_id("ipc://@monarch-test")
+    receiver.accept("inbox", tcp, ipc)
+    sent = [sender.sign(key, wire.dumps(("m", name, i)), dest) for i in range(3)
+            for name, dest in (("tcp", tcp), ("ipc", ipc))]
+    assert [receiver.open(f, "inbox") for f in sent] == [("m", n, i) for i in range(3) for n in ("tcp", "ipc")]
+    assert [receiver.open(f, "inbox") for f in sent] == [None] * 6          # replays
+    other = wire.dest_id("tcp://127.0.0.1:5001")
+    assert receiver.open(sender.sign(key, wire.dumps(("m",)), other), "inbox") is None   # not ours

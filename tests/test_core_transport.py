@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zmq
 
+from monarch_kernel.core import wire
 from monarch_kernel.core.runtime import ProcRef, ipc_name, runtime
 
 
@@ -24,12 +25,13 @@ def test_a_reused_tcp_address_reaches_the_new_procs_ipc_inbox():
         tcp = "tcp://127.0.0.1:1"   # never bound: only the ipc names carry messages
         ref = ProcRef("old", 0, "h", 1, tcp, tcp, "a", old_ipc, old_ipc, rt.host_id)
         rt.register_procs([ref], key)
+        rt.keyring.accept("test inbox", wire.dest_id(tcp))   # messages name the tcp address
         rt.send(tcp, key, ("ping", 1))
-        assert old.poll(5000) and rt.keyring.open(old.recv_multipart()) == ("ping", 1)
+        assert old.poll(5000) and rt.keyring.open(old.recv_multipart(), "test inbox") == ("ping", 1)
         # a new proc on this host got the same tcp port, with a new ipc name
         rt.register_procs([ref._replace(key="new", work_ipc=new_ipc, ctrl_ipc=new_ipc)], key)
         rt.send(tcp, key, ("ping", 2))
-        assert new.poll(5000) and rt.keyring.open(new.recv_multipart()) == ("ping", 2)
+        assert new.poll(5000) and rt.keyring.open(new.recv_multipart(), "test inbox") == ("ping", 2)
         assert not old.poll(200)
     finally:
         old.close(0)

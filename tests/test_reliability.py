@@ -352,17 +352,18 @@ def test_a_huge_frame_and_many_idle_connections_from_a_peer_without_the_key_cost
 # ---------------------------------------------------------------- 5. replayed frames are dropped
 class _RecordingProxy:
     """A ZeroMQ proxy between the controller and an agent that records every message the
-    controller sends: the real frames an eavesdropper on the link would capture."""
+    controller sends: the real frames an eavesdropper on the link would capture. It listens
+    on the agent's port at another loopback address (frames name the port they are for)."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, listen: str):
         import zmq
 
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
-        self.front.bind("tcp://127.0.0.1:*")
+        self.front.bind(listen)
         self.addr = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.back = self.ctx.socket(zmq.DEALER)
-        self.back.connect(target)
+        self.target = target
+        self.back = None   # connected with the controller's identity (the agent answers to it)
         self.sent: list[list[bytes]] = []
         self.closing = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -373,12 +374,16 @@ class _RecordingProxy:
 
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
-        poller.register(self.back, zmq.POLLIN)
         ident = None
         while not self.closing:
             for sock, _ in poller.poll(50):
                 if sock is self.front:
                     ident, *frames = self.front.recv_multipart()
+                    if self.back is None:
+                        self.back = self.ctx.socket(zmq.DEALER)
+                        self.back.setsockopt(zmq.ROUTING_ID, ident)
+                        self.back.connect(self.target)
+                        poller.register(self.back, zmq.POLLIN)
                     self.sent.append(frames)
                     self.back.send_multipart(frames)
                 else:
@@ -390,7 +395,19 @@ class _RecordingProxy:
         self.ctx.destroy(0)
 
 
-def test_a_captured_spawn_replayed_to_the_agent_forks_nothing():
+def _replay(addr: str, captured: list, sock_type) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(sock_type)
+    s.connect(addr)
+    for frames in captured:                   # the same frames, from another connection
+        s.send_multipart(frames)
+    time.sleep(1.5)
+    ctx.destroy(0)
+
+
+def test_a_captured_spawn_replayed_to_its_agent_or_another_agent_of_the_mesh_forks_nothing():
     import zmq
 
     from monarch_kernel.actor import attach_to_workers
@@ -399,7 +416,9 @@ def test_a_captured_spawn_replayed_to_the_agent_forks_nothing():
 
     key = new_key()
     agent, process = start_local_agent(key, name="replay-test", persistent=False, lease=60)
-    proxy = _RecordingProxy(agent["addr"])
+    other, other_process = start_local_agent(key, name="replay-other", persistent=False, lease=60)
+    port = agent["addr"].rsplit(":", 1)[1]
+    proxy = _RecordingProxy(agent["addr"], f"tcp://127.0.0.2:{port}")
     hm = attach_to_workers([proxy.addr], key, name="replay-test")
     try:
         pm = hm.spawn_procs(per_host={"gpus": 1}, name="replayed")
@@ -407,20 +426,17 @@ def test_a_captured_spawn_replayed_to_the_agent_forks_nothing():
         assert c.bump.call().get(30).values() == [1]
         captured = list(proxy.sent)               # hello, spawn, register, heartbeats...
         assert any(b"spawn" in f[0] for f in captured)
-        children = _agent_children_of(process.pid)
-        ctx = zmq.Context()
-        replay = ctx.socket(zmq.DEALER)
-        replay.connect(agent["addr"])
-        for frames in captured:                   # the same frames, from another connection
-            replay.send_multipart(frames)
-        time.sleep(2.0)
-        ctx.destroy(0)
-        assert _agent_children_of(process.pid) == children, "a replayed spawn forked procs"
+        for addr, proc in ((agent["addr"], process), (other["addr"], other_process)):
+            children = _agent_children_of(proc.pid)
+            _replay(addr, captured, zmq.DEALER)
+            assert _agent_children_of(proc.pid) == children, f"a replayed spawn forked procs ({addr})"
         assert c.bump.call().get(30).values() == [2]
     finally:
         hm.shutdown()
         proxy.close()
         process.wait(10)
+        other_process.terminate()
+        other_process.wait(10)
 
 
 def _agent_children_of(pid: int) -> int:
@@ -429,32 +445,63 @@ def _agent_children_of(pid: int) -> int:
     return len(psutil.Process(pid).children(recursive=True))
 
 
+def _record_stamped(monkeypatch, rt) -> list:
+    """(destination, frames) of every message this runtime sends, exactly as on the wire."""
+    captured: list[tuple[bytes, list[bytes]]] = []
+    stamp = rt.keyring.stamp
+
+    def recording(sealed, dest):
+        frames = stamp(sealed, dest)
+        captured.append((dest, [bytes(f) for f in frames]))
+        return frames
+    monkeypatch.setattr(rt.keyring, "stamp", recording)
+    return captured
+
+
 def test_a_captured_call_replayed_to_the_proc_does_not_run_again(monkeypatch):
     import zmq
+
+    from monarch_kernel.core import wire
 
     pm = this_host().spawn_procs(per_host={"gpus": 1}, name="replay-calls")
     try:
         c = pm.spawn("c", Counter)
-        rt = runtime()
-        captured: list[tuple[str, list[bytes]]] = []
-        real_send = rt.send_frames
-
-        def recording_send(addr, frames):   # the frames exactly as they go on the wire
-            captured.append((addr, [bytes(f) for f in frames]))
-            real_send(addr, frames)
-        monkeypatch.setattr(rt, "send_frames", recording_send)
+        captured = _record_stamped(monkeypatch, runtime())
         assert c.bump.call().get(30).values() == [1]
         monkeypatch.undo()
-        (addr, frames), = [(a, f) for a, f in captured if a == pm.procs()[0].work]
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.PUSH)
-        s.connect(addr)
-        s.send_multipart(frames)            # the same call, sent again
-        s.send_multipart(frames)
-        time.sleep(1.0)
-        ctx.destroy(2000)
+        work = pm.procs()[0].work
+        (frames,) = [f for d, f in captured if d == wire.dest_id(work)]
+        _replay(work, [frames, frames], zmq.PUSH)   # the same call, sent again twice
         assert c.bump.call().get(30).values() == [2], "a replayed call ran again"
     finally:
+        pm.stop()
+
+
+def test_a_call_captured_on_its_way_to_one_proc_is_refused_by_another_proc_of_the_mesh(monkeypatch):
+    """Issue 9 item 5: the destination is inside the MAC, so a frame for rank 0 sent to rank 1
+    (same mesh, same key, a sequence number rank 1 never saw from that sender) is dropped."""
+    import zmq
+
+    from monarch_kernel.core import wire
+
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="replay-dest")
+    rt = runtime()
+    got: list = []
+    orig = rt.output
+    try:
+        c = pm.spawn("c", Counter)
+        assert c.bump.call().get(30).values() == [1, 1]
+        captured = _record_stamped(monkeypatch, rt)
+        assert c.slice(gpus=0).bump.call_one().get(30) == 2    # to rank 0 only
+        monkeypatch.undo()
+        r0, r1 = pm.procs()
+        (frames,) = [f for d, f in captured if d == wire.dest_id(r0.work)]
+        rt.output = lambda rank, stream, text: got.append((rank, text))
+        _replay(r1.work, [frames], zmq.PUSH)
+        assert c.bump.call().get(30).values() == [3, 2], "rank 1 ran a call captured on its way to rank 0"
+        assert any(rank == 1 and "addressed to another socket" in text for rank, text in got), got
+    finally:
+        rt.output = orig
         pm.stop()
 
 
@@ -474,7 +521,7 @@ def test_curve_links_work_and_refuse_a_plain_peer_even_with_a_validly_signed_mes
         print("CALLS", c.bump.call().get(30).values())
         rt = runtime()
         ref = pm.procs()[0]
-        frames = rt.pack(pm._state.key, ("call", c._state.id, "bump", (), {}, rt.address, 0, None))
+        frames = rt.pack_to(ref.work, pm._state.key, ("call", c._state.id, "bump", (), {}, rt.address, 0, None))
         ctx = zmq.Context(); s = ctx.socket(zmq.PUSH); s.connect(ref.work.split("?")[0])   # plain ZMTP
         s.send_multipart(frames); time.sleep(1.0); ctx.destroy(0)
         print("AFTER", c.bump.call().get(30).values())
@@ -551,3 +598,36 @@ def _wait_for(cond, within: float) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+def test_an_agent_bound_on_every_interface_is_reachable_through_loopback_too():
+    """CURVE is chosen by the address a peer dials: an agent bound on 0.0.0.0 (CURVE off this
+    host) still answers a controller on its host that dials 127.0.0.1 (plain, MAC only)."""
+    import select
+
+    from monarch_kernel.actor import attach_to_workers
+    from monarch_kernel.core.connection import new_key
+
+    key = new_key()
+    agent = subprocess.Popen([sys.executable, "-m", "workers.agent", "--bind", "0.0.0.0",
+                              "--parent-pid", str(os.getpid())], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, MONARCH_KERNEL_KEY=key.hex(), MONARCH_KERNEL_CURVE="auto"),
+                             start_new_session=True)
+    try:
+        line, deadline = b"", time.monotonic() + 60
+        while not line.endswith(b"\n") and time.monotonic() < deadline:
+            if select.select([agent.stdout], [], [], 1)[0]:
+                chunk = os.read(agent.stdout.fileno(), 4096)
+                assert chunk, f"the agent exited at start (code {agent.wait()})"
+                line += chunk
+        advertised = line.decode().split()[1]
+        assert not advertised.startswith("tcp://127."), advertised   # it tells peers a real address
+        hosts = attach_to_workers(["tcp://127.0.0.1:" + advertised.rsplit(":", 1)[1]], key, name="wildcard")
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        assert procs.spawn("c", Counter).bump.call_one().get(30) == 1
+        procs.stop()
+    finally:
+        agent.send_signal(signal.SIGKILL)   # its zygote and procs die with it (PDEATHSIG)
+        agent.wait(10)
+        agent.stdout.close()

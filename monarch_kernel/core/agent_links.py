@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 import zmq
 
 from .. import config
-from . import curve
+from . import curve, wire
 from .errors import HostUnreachableError, MeshFailure, SupervisionError
 from .future import Future
 from .host_liveness import LocalAgentWatch
@@ -40,6 +40,8 @@ class AgentLink:
         self.key = key
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.ident = wire.new_identity()   # the agent's replies are addressed to it (wire.dest_of_identity)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.ident)
         curve.connect(self.sock, addr, curve.agent_keys(key)[0] if curve.wanted(addr) else None)
         self.requests: dict[int, Future] = {}
         self.last_seen = time.monotonic()
@@ -78,6 +80,7 @@ class AgentLinks:
         if link is None:
             self.rt.keyring.add(key)
             link = self.links[addr] = AgentLink(self.rt.ctx, addr, key)
+            self.rt.keyring.accept(f"agent {addr}", wire.dest_of_identity(link.ident))
             self._watch_socket(link.sock)
         return link
 
@@ -89,10 +92,10 @@ class AgentLinks:
             return
         req = next(self._ids)
         link.requests[req] = fut
-        link.sock.send_multipart(self.rt.pack(key, ("req", req, op, args)), copy=False)
+        link.sock.send_multipart(self.rt.pack_to(addr, key, ("req", req, op, args)), copy=False)
 
     def send(self, addr: str, key: bytes, op: str, args: tuple) -> None:
-        self.link(addr, key).sock.send_multipart(self.rt.pack(key, ("req", 0, op, args)), copy=False)
+        self.link(addr, key).sock.send_multipart(self.rt.pack_to(addr, key, ("req", 0, op, args)), copy=False)
 
     def watch(self, addr: str, key: bytes, pid: int | None, host: str) -> None:
         link = self.link(addr, key)
@@ -150,7 +153,8 @@ class AgentLinks:
                 # A lost link is heartbeaten too: a host that answers again comes back.
                 link.last_hb_sent = now
                 link.unanswered += 1
-                link.sock.send_multipart(self.rt.pack(link.key, ("req", 0, "hb", (self.rt.address,))), copy=False)
+                link.sock.send_multipart(self.rt.pack_to(link.addr, link.key, ("req", 0, "hb", (self.rt.address,))),
+                                        copy=False)
             if link.lost:
                 continue
             silent = now - link.last_seen
@@ -211,7 +215,7 @@ class AgentLinks:
         fut = Future("hello")
         req = next(self._ids)
         link.requests[req] = fut
-        link.sock.send_multipart(rt.pack(link.key, ("req", req, "hello", (rt.contact,))), copy=False)
+        link.sock.send_multipart(rt.pack_to(link.addr, link.key, ("req", req, "hello", (rt.contact,))), copy=False)
 
         def died_meanwhile(f):
             if f.exception() is not None:

@@ -94,3 +94,33 @@ def connect(sock: zmq.Socket, endpoint: str, server_public: bytes | str | None =
         sock.curve_publickey = pub
         sock.curve_secretkey = sec
     sock.connect(endpoint)
+
+
+def bind_every_interface(sock: zmq.Socket, port: int | str, secret: bytes | None) -> str:
+    """Bind on every IPv4 address of this host at one port, each endpoint in the mode a peer
+    dialling that address expects (``wanted``): loopback plain (MAC only), the others CURVE
+    when ``secret`` is given. A wildcard bind (0.0.0.0) would be CURVE on loopback too, and a
+    peer on this host reaching it through 127.0.0.1 would fail the handshake. (Addresses that
+    appear later are not bound.) Returns the first endpoint bound."""
+    import socket
+
+    import psutil
+
+    hosts = sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                    if a.family == socket.AF_INET} | {"127.0.0.1"}, key=lambda h: not h.startswith("127."))
+    for attempt in range(5):
+        first = ""
+        bound = []
+        try:
+            for host in hosts:
+                ep = bind(sock, f"tcp://{host}:{port if first == '' else first.rsplit(':', 1)[1]}",
+                          secret if wanted(host) else None)
+                bound.append(ep)
+                first = first or ep
+            return first
+        except zmq.ZMQError:
+            for ep in bound:
+                sock.unbind(ep)
+            if str(port) not in ("0", "*") or attempt == 4:
+                raise
+    raise AssertionError("unreachable")

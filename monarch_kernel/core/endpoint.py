@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from . import wire
+from . import fanout, wire
 from .errors import MeshGoneError
 from .future import Future
 from .runtime import PendingCall, Runtime, runtime
@@ -70,14 +70,12 @@ class Endpoint(Generic[T]):
         method = EXPLICIT_PORT_MARK + self._name if self._explicit else self._name
         msg = ("call", am.id, method, args, kwargs, rt.address, call_id, wire.SOURCES)
         try:
-            frames = rt.pack(ps.key, msg, [r.work for r in refs])
+            fanout.send(rt, ps.key, msg, refs, 5)   # one message per host past a few members
         except BaseException as e:
             if reply:
                 rt.abandon(call_id)
             _explain_unpicklable(e, args, kwargs, am.endpoints.get(self._name, (False, ()))[1], what)
             raise
-        for ref in refs:
-            rt.send_frames(ref.work, frames)
         if pending is not None:
             _fail_if_dead(rt, keys, pending)
         return pending

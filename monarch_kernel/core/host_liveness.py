@@ -11,7 +11,7 @@ thread ran, and waited runnable for a CPU):
   * stopped (SIGSTOP, a debugger) or gone: silence counts, as between machines;
   * its threads ran or waited to run for at least half of the wall time since the last
     look: it is working or starved, not stalled; silence is tolerated up to
-    ``STARVED_HOST_TIMEOUT_S`` (a runaway agent is still declared lost, later);
+    ``MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S`` (a runaway agent is still declared lost, later);
   * otherwise (asleep: blocked, deadlocked, or cut off from the network while idle):
     silence counts.
 """
@@ -21,9 +21,15 @@ import logging
 import os
 import time
 
+# Read when used (declared in monarch_kernel/config.py; core/ reads the environment itself).
+_STARVED_ENV = "MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S"
+
+
+def starved_host_timeout_s() -> float:
+    return float(os.environ.get(_STARVED_ENV) or 30.0)
+
 log = logging.getLogger("monarch_kernel")
 
-STARVED_HOST_TIMEOUT_S = float(os.environ.get("MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S", "30"))
 BUSY_FRACTION = 0.5   # of wall time spent running or runnable: the agent wants the CPU
 
 
@@ -72,7 +78,7 @@ class LocalAgentWatch:
         if load and not self._said and silent_s > 1.0:
             self._said = True
             log.info("host agent pid %d silent for %.1f s but busy or waiting for a CPU (load): "
-                        "tolerated up to %.0f s", self.pid, silent_s, STARVED_HOST_TIMEOUT_S)
+                        "tolerated up to %.0f s", self.pid, silent_s, starved_host_timeout_s())
         elif not load:
             self._said = False
         return load
@@ -89,6 +95,6 @@ class LocalAgentWatch:
 
     def silence_tolerated(self, silent_s: float) -> bool:
         """True while the agent's silence is load (alive, not stopped, wanting the CPU)."""
-        if not self.busy or silent_s >= STARVED_HOST_TIMEOUT_S:
+        if not self.busy or silent_s >= starved_host_timeout_s():
             return False
         return _state(self.pid) not in ("", "T", "t", "Z", "X")

@@ -14,6 +14,7 @@ import threading
 import uuid
 
 from .. import config
+from . import fanout
 from .connection import (
     agent_alive,
     check_name,
@@ -64,6 +65,7 @@ class HostMesh:
         for a, info in zip(agents, self._infos):
             local = info.get("pid_space") and info.get("pid_space") == pid_space()
             rt.watch_agent(a["addr"], key, info.get("pid") if local else None, info.get("host", ""))
+            fanout.learn_agent(rt, info.get("addr") or a["addr"], info)   # its procs' ProcRef.agent
         rt.on_agent_event("superseded", _superseded)
         self._adopt_registry()
 

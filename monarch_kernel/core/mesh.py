@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Generic, TypeVar
 
-from . import wire
+from . import fanout, wire
 from .actors import Actor, plain_methods
 from .channels import chained
 from .endpoint import (
@@ -177,9 +177,7 @@ class ProcMesh(_Sliceable):
                           _init_params(actor_class), f"{actor_class.__name__}.__init__")
         keys = [r.key for r in refs]
         call_id, pending = rt.new_call(keys, view.extent, "mesh", f"spawn of '{name}'")
-        frames = rt.pack(st.key, ("spawn", aid, name, body, view, rt.address, call_id, _owner()))
-        for ref in refs:
-            rt.send_frames(ref.work, frames)
+        fanout.send(rt, st.key, ("spawn", aid, name, body, view, rt.address, call_id, _owner()), refs, 5)
         am = ActorMeshState(aid, name, actor_class.__qualname__, dict(actor_class._endpoints), st, view,
                             plain_methods(actor_class))
         am.body = body

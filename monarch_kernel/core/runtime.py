@@ -52,6 +52,7 @@ class Runtime:
         # procs can reach it (MONARCH_KERNEL_BIND=10.0.0.5, or the launcher passes it).
         bind_host = bind_host or config.BIND.get() or "127.0.0.1"
         self.pid = os.getpid()
+        self.forks = _FORKS[0]
         self.role = role
         self.ident = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
@@ -66,6 +67,7 @@ class Runtime:
         self.contact = [self.address, self.ipc_address, self.host_id, self.curve_public]   # how peers reach us
         # The hot paths, bound once (no extra call per message).
         self.send, self.send_frames, self.pack = transport.send, transport.send_frames, transport.pack
+        self.pack_to = transport.pack_to
         self.learn_contact = transport.learn_contact
         self.new_call, self.abandon, self.proc_failed = calls.new_call, calls.abandon, calls.proc_failed
         self.pending_of, self.answered_so_far = calls.pending_of, calls.answered_so_far
@@ -248,13 +250,15 @@ def _print_output(rank: int, stream: str, text: str) -> None:
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
+_FORKS = [0]   # forks this process came from: a forked child makes its own runtime
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
 
 def runtime() -> Runtime:
     """This process's runtime (created on first use; a forked child gets a new one)."""
     global _runtime
     rt = _runtime
-    if rt is not None and rt.pid == os.getpid():
+    if rt is not None and rt.forks == _FORKS[0]:   # (os.getpid() is a system call, twice a call)
         return rt
     with _runtime_lock:
         if _runtime is None or _runtime.pid != os.getpid():

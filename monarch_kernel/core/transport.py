@@ -77,13 +77,20 @@ class Transport:
             self._all_senders.append(s)
         return s
 
-    def pack(self, key: bytes, msg, dests=()) -> list:
-        """Sign and pickle ``msg``. ``dests``: the addresses it will be sent to; when all are
-        on this host, large tensors may travel as same-host handles (wire.LARGE_TENSOR_HOOK)."""
+    def pack(self, key: bytes, msg, dests=()) -> wire.Sealed:
+        """Pickle ``msg`` and MAC its body; ``send_frames`` stamps it for each destination.
+        ``dests``: the addresses it will be sent to; when all are on this host, large tensors
+        may travel as same-host handles (wire.LARGE_TENSOR_HOOK)."""
         local = len(dests) if dests and wire.LARGE_TENSOR_HOOK is not None and all(map(is_local, dests)) else 0
-        return self.keyring.sign(key, wire.dumps(msg, local))
+        return self.keyring.seal(key, wire.dumps(msg, local))
+
+    def pack_to(self, addr: str, key: bytes, msg) -> list:
+        """The frames of ``msg`` for the one socket at ``addr`` (an agent link's requests)."""
+        return self.keyring.sign(key, wire.dumps(msg), wire.dest_id(addr))
 
     def send_frames(self, addr: str, frames: list) -> None:
+        if type(frames) is wire.Sealed:   # bound to this destination (no replay to another socket)
+            frames = self.keyring.stamp(frames, wire.dest_id(addr))
         if len(frames) == 1:
             self.sender(addr).send(frames[0])   # small header: a copy beats a zero-copy Frame
         else:

@@ -188,19 +188,71 @@ def dumps(obj, local_receivers: int = 0) -> list:
     """Pickle ``obj``; returns ``[header, *buffers]`` (buffers as zero-copy memoryviews).
     ``local_receivers`` > 0: every receiver is on this host, so large tensors may travel
     as handles the receivers pull from our memory (LARGE_TENSOR_HOOK)."""
+    fast = obj
+    if type(obj) is tuple and obj and obj[-1] is SOURCES:
+        fast = obj[:-1] + (None,)   # it loads as None; only what is pickled by value needs sources
+    n = local_receivers if LARGE_TENSOR_HOOK is not None else 0
+    cached = _CACHED
+    if not n and not cached.busy:
+        # The hot path (a call, a reply): this thread's pickler, reused (its memo cleared).
+        cached.busy = True
+        p = cached.pickler
+        try:
+            if p is None:
+                p = cached.pickler = _ReusedPickler()
+            p.dump(fast)
+            out = [p.file.getvalue()]
+            if p.buffers:
+                out += [b.raw() for b in p.buffers]
+            if len(out[0]) > SMALL_COPY:
+                cached.pickler = None   # do not keep a large file's memory for the next message
+            return out
+        except Exception:
+            pass   # by value (cloudpickle) below
+        finally:
+            p.reset()
+            cached.busy = False
     buffers: list = []
     f = io.BytesIO()
-    _LOCAL.receivers = local_receivers if LARGE_TENSOR_HOOK is not None else 0
+    if n:
+        _LOCAL.receivers = n
     try:
         try:
-            _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+            _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(fast)
         except Exception:
             buffers = []
             f = io.BytesIO()
             _Pickler(f, buffers).dump(obj)
     finally:
-        _LOCAL.receivers = 0
+        if n:
+            _LOCAL.receivers = 0
+    if not buffers:
+        return [f.getvalue()]
     return [f.getvalue()] + [b.raw() for b in buffers]
+
+
+class _ReusedPickler(_FastPickler):
+    """One per thread (dumps): creating a pickler and its file costs more than a small
+    message's whole pickling."""
+
+    def __init__(self):
+        self.file = io.BytesIO()
+        self.buffers: list = []
+        super().__init__(self.file, protocol=5, buffer_callback=self.buffers.append)
+
+    def reset(self):
+        self.clear_memo()
+        self.file.seek(0)
+        self.file.truncate()
+        self.buffers.clear()
+
+
+class _CachedPickler(threading.local):
+    pickler: _ReusedPickler | None = None
+    busy = False   # dumps called again while pickling (a reducer that sends): use a fresh one
+
+
+_CACHED = _CachedPickler()
 
 
 def dumps_inband(obj) -> bytes:
@@ -228,30 +280,58 @@ def loads(header, buffers=()):
 
 
 MAC_SIZE = 16
-STAMP_SIZE = 8 + 8 + 8   # sender id, sequence number, send time (ms): inside the MAC
+STAMP_SIZE = 8 + 8 + 8 + 8   # sender id, sequence number, send time (ms), destination: inside the MAC
 _PREFIX = 8 + MAC_SIZE + STAMP_SIZE   # key id + MAC + stamp, in front of the header
-_STAMP = struct.Struct("<8sQQ")
-REPLAY_WINDOW = 4096     # a sender's messages may arrive this far out of order on one socket
-MAX_AGE_S = float(os.environ.get("MONARCH_KERNEL_MAX_MESSAGE_AGE_S", "300"))   # clock skew + queueing
+_STAMP = struct.Struct("<8sQQ8s")
+REPLAY_WINDOW = 1024     # a sender's messages to one socket may arrive this far out of order
+MAX_AGE_S = config.MAX_MESSAGE_AGE_S.get()   # clock skew + queueing
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
+_LEN8 = struct.Struct("<Q").pack
 
 
-def _digest(key: bytes, header, buffers, stamp: bytes = b"") -> bytes:
-    """Keyed BLAKE2b (a MAC by design, 4x cheaper than HMAC-SHA256 on small messages) over
-    the stamp, the header and the lengths of the out-of-band buffers."""
-    h = hashlib.blake2b(stamp, key=key, digest_size=MAC_SIZE)
-    h.update(header)
-    if buffers:
-        h.update(b"".join(len(b).to_bytes(8, "little") for b in buffers))
-    return h.digest()
+def _lengths(header, buffers) -> bytes:
+    """The frame boundaries, inside the MAC: the header's length and each buffer's."""
+    if not buffers:
+        return _LEN8(len(header))
+    return b"".join([_LEN8(len(header)), *(_LEN8(len(b)) for b in buffers)])
+
+
+_DEST_IDS: dict[str, bytes] = {}
+
+
+def dest_id(addr: str) -> bytes:
+    """The 8-byte name of a receiving socket, as its senders address it: a tcp endpoint by its
+    port (a peer may reach it by any of the host's names, or bind on every interface), an
+    ipc endpoint by its (unique) name; a ``?curve=`` key is not part of it."""
+    d = _DEST_IDS.get(addr)
+    if d is None:
+        base = addr.split("?", 1)[0]
+        if base.startswith("tcp://"):
+            base = "tcp:" + base.rsplit(":", 1)[-1]
+        d = hashlib.blake2b(base.encode(), digest_size=8, person=b"mk-dest").digest()
+        if len(_DEST_IDS) > 65536:
+            _DEST_IDS.clear()
+        _DEST_IDS[addr] = d
+    return d
+
+
+def dest_of_identity(ident: bytes) -> bytes:
+    """The destination name of a DEALER peer of a ROUTER (an agent's reply goes to it)."""
+    return hashlib.blake2b(bytes(ident), digest_size=8, person=b"mk-ident").digest()
+
+
+def new_identity() -> bytes:
+    """A ROUTING_ID for a DEALER (never starting with a zero byte, which zmq reserves)."""
+    return b"mk" + os.urandom(8)
 
 
 class _SenderStamp(threading.local):
-    """Each sending thread is a sender of its own: a random id and a counter (a forked
-    child starts a new sender, see _new_sender_after_fork)."""
+    """Each sending thread is a sender of its own: a random id and a counter per destination
+    (a forked child starts a new sender, see _new_sender_after_fork)."""
 
     epoch = -1
     sender = b""
-    seq = 0
+    seqs: dict = {}
 
 
 _SENDER = _SenderStamp()
@@ -265,51 +345,62 @@ def _new_sender_after_fork():
 os.register_at_fork(after_in_child=_new_sender_after_fork)
 
 
-def _stamp() -> bytes:
+def _stamp(dest: bytes) -> bytes:
     st = _SENDER
-    if st.epoch != _FORK_EPOCH[0]:
-        st.epoch, st.sender, st.seq = _FORK_EPOCH[0], os.urandom(8), 0
-    st.seq += 1
-    return _STAMP.pack(st.sender, st.seq, int(time.time() * 1000))
+    seqs = st.seqs
+    if st.epoch != _FORK_EPOCH[0] or len(seqs) > 65536:
+        st.epoch, st.sender, seqs = _FORK_EPOCH[0], os.urandom(8), {}
+        st.seqs = seqs
+    seq = seqs.get(dest, 0) + 1
+    seqs[dest] = seq
+    return _STAMP.pack(st.sender, seq, int(time.time() * 1000), dest)
 
 
 class _ReplayGuard:
-    """Per receiving socket: the messages already seen from each sender (its highest
-    sequence number and a bitmap of the REPLAY_WINDOW before it). A message seen before,
-    older than the window, or sent more than MAX_AGE_S ago is a replay."""
+    """Per receiving socket: the destination names it answers to, and the messages already
+    seen from each sender (its highest sequence number and a bitmap of the REPLAY_WINDOW
+    before it). A message for another destination, seen before, older than the window, or
+    sent more than MAX_AGE_S ago is a replay.
 
-    __slots__ = ("senders", "lock", "opened")
+    No lock: a socket is read by one thread at a time (zmq sockets are not thread-safe; the
+    runtime's inbox changes hands under its own lock), so its guard is too."""
 
-    def __init__(self):
-        self.senders: dict[bytes, list] = {}   # sender id -> [highest seq, bitmap, last seen]
-        self.lock = threading.Lock()
+    __slots__ = ("senders", "dests", "opened")
+
+    def __init__(self, dests=()):
+        self.senders: dict[bytes, list] = {}   # sender id + dest -> [highest seq, bitmap, last seen]
+        self.dests: set[bytes] = set(dests)
         self.opened = 0
 
-    def check(self, sender: bytes, seq: int, sent_ms: int) -> str:
+    def check(self, sender: bytes, seq: int, sent_ms: int, dest: bytes) -> str:
+        if dest not in self.dests:
+            return "addressed to another socket (a frame captured on its way elsewhere)"
         now = time.time()
         if abs(now - sent_ms / 1000) > MAX_AGE_S:
             return f"sent {now - sent_ms / 1000:.0f} s ago (limit {MAX_AGE_S:.0f} s; are the clocks in sync?)"
-        with self.lock:
-            w = self.senders.get(sender)
-            if w is None:
-                self.senders[sender] = [seq, 1, now]
-                self.opened += 1
-                if self.opened % 4096 == 0:
-                    self._prune(now)
-                return ""
-            hi, bits, _ = w
-            w[2] = now
-            if seq > hi:
-                shift = seq - hi
-                w[0], w[1] = seq, ((bits << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
-                return ""
-            back = hi - seq
-            if back >= REPLAY_WINDOW:
-                return f"older than the last {REPLAY_WINDOW} messages of its sender"
-            if bits >> back & 1:
-                return "already received (a replay)"
-            w[1] = bits | (1 << back)
+        stream = sender + dest   # a sender numbers each destination name of this socket apart
+        w = self.senders.get(stream)
+        if w is None:
+            self.senders[stream] = [seq, 1, now]
+            self.opened += 1
+            if self.opened % 4096 == 0:
+                self._prune(now)
             return ""
+        hi = w[0]
+        w[2] = now
+        if seq > hi:   # the usual case: in order
+            shift = seq - hi
+            w[0] = seq
+            w[1] = ((w[1] << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
+            return ""
+        back = hi - seq
+        if back >= REPLAY_WINDOW:
+            return f"older than the last {REPLAY_WINDOW} messages of its sender"
+        bits = w[1]
+        if bits >> back & 1:
+            return "already received (a replay)"
+        w[1] = bits | (1 << back)
+        return ""
 
     def _prune(self, now: float) -> None:
         """Senders silent for longer than MAX_AGE_S: anything they sent is now too old anyway."""
@@ -317,58 +408,112 @@ class _ReplayGuard:
             del self.senders[k]
 
 
-_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
-
-
 def key_id(key: bytes) -> bytes:
     return hashlib.sha256(b"monarch-kernel-key-id" + key).digest()[:8]
 
 
+class Sealed(list):
+    """``[header, *buffers]`` with their MAC computed up to the stamp (``body``: a keyed
+    BLAKE2b state). ``Keyring.stamp`` finishes it for one destination, so a message sent to
+    many procs hashes its body once and pays a copy and 32 bytes more per destination."""
+
+    __slots__ = ("kid", "body")
+
+
 class Keyring:
     """The mesh keys this process trusts, by id. Signing uses the key of the destination's
-    mesh; verifying accepts any trusted key (keys only arrive inside verified messages)."""
+    mesh; verifying accepts any trusted key (keys only arrive inside verified messages).
+
+    A message on the wire: ``[key id (8) + MAC (16) + stamp (32) + header, *buffers]``, the
+    stamp being (sender, sequence number, send time, destination). The MAC is a keyed
+    BLAKE2b over header, frame lengths and stamp: a frame replayed to the same socket, or
+    to another one (another proc of the same mesh), is dropped. A header of SMALL_COPY bytes
+    or more travels as a frame of its own after the prefix, so a broadcast does not copy it
+    once per destination."""
 
     def __init__(self):
         self._keys: dict[bytes, bytes] = {}
         self._ids: dict[bytes, bytes] = {}
+        self._base: dict[bytes, object] = {}   # key id -> keyed BLAKE2b state, copied per message
         self._guards: dict[str, _ReplayGuard] = {}   # receiving socket (``where``) -> its guard
         self.replays_dropped = 0
 
     def add(self, key: bytes) -> bytes:
         kid = self._ids.get(key)
         if kid is None:
-            kid = self._ids[key] = key_id(key)
+            kid = key_id(key)
+            self._base[kid] = hashlib.blake2b(key=key, digest_size=MAC_SIZE)
             self._keys[kid] = key
+            self._ids[key] = kid
         return kid
 
     def any_key(self) -> bytes:
         """A key this process trusts (to sign a message to itself); KeyError if none."""
         return next(iter(self._keys.values()))
 
-    def sign(self, key: bytes, frames: list) -> list:
-        """``frames`` = [header, *buffers] -> the frames to send: the first is
-        ``key id (8) + MAC (16) + header``."""
+    def accept(self, where: str, *dests: bytes) -> None:
+        """Messages read from ``where`` may be addressed to ``dests`` (its endpoints' dest_id);
+        a socket that was never told accepts nothing."""
+        guard = self._guards.get(where)
+        if guard is None:
+            guard = self._guards.setdefault(where, _ReplayGuard())
+        guard.dests.update(dests)
+
+    def seal(self, key: bytes, frames: list) -> Sealed:
         kid = self._ids.get(key) or self.add(key)
+        out = Sealed(frames)
+        out.kid = kid
+        h = out.body = self._base[kid].copy()
         header = frames[0]
-        stamp = _stamp()
-        return [b"".join((kid, _digest(key, header, frames[1:], stamp), stamp, header)), *frames[1:]]
+        h.update(header)
+        h.update(_lengths(header, frames[1:]) if len(frames) > 1 else _LEN8(len(header)))
+        return out
+
+    @staticmethod
+    def stamp(sealed: Sealed, dest: bytes) -> list:
+        """The frames of ``sealed`` for the socket named ``dest`` (dest_id)."""
+        s = _stamp(dest)
+        h = sealed.body.copy()
+        h.update(s)
+        header = sealed[0]
+        if len(header) >= SMALL_COPY:
+            return [b"".join((sealed.kid, h.digest(), s)), *sealed]
+        first = b"".join((sealed.kid, h.digest(), s, header))
+        return [first, *sealed[1:]] if len(sealed) > 1 else [first]
+
+    def sign(self, key: bytes, frames: list, dest: bytes) -> list:
+        """``frames`` = [header, *buffers] -> the frames to send to the socket named ``dest``."""
+        return self.stamp(self.seal(key, frames), dest)
 
     def open(self, frames, where: str = "socket"):
         """Verify and unpickle received frames (zmq.Frame or bytes). Returns the message, or
-        None after logging when it is malformed or not signed with a trusted key."""
+        None after logging when it is malformed, not signed with a trusted key, or a replay."""
         first = frames[0] if frames else b""
-        first = first.buffer if hasattr(first, "buffer") else memoryview(first)
-        if len(first) <= _PREFIX:
-            log.warning("dropped a malformed message on %s (%d frame(s), %d bytes)", where, len(frames),
-                        len(first))
+        if type(first) is not bytes:
+            first = first.buffer if hasattr(first, "buffer") else memoryview(first)
+        n = len(first)
+        if n < _PREFIX or (n == _PREFIX and len(frames) < 2):
+            log.warning("dropped a malformed message on %s (%d frame(s), %d bytes)", where, len(frames), n)
             return None
-        kid, sig, stamp, header = (bytes(first[:8]), bytes(first[8:8 + MAC_SIZE]),
-                                   bytes(first[8 + MAC_SIZE:_PREFIX]), first[_PREFIX:])
-        key = self._keys.get(kid)
-        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
-        if key is None or not hmac.compare_digest(sig, _digest(key, header, bufs, stamp)):
-            log.warning("dropped an unauthenticated message on %s (%s)", where,
-                        "unknown key" if key is None else "bad signature")
+        kid = bytes(first[:8])
+        base = self._base.get(kid)
+        if n == _PREFIX:   # a large header, in a frame of its own
+            header, rest = frames[1], frames[2:]
+            header = header.buffer if hasattr(header, "buffer") else header
+        else:
+            header, rest = (first[_PREFIX:] if n < SMALL_COPY or type(first) is not bytes
+                            else memoryview(first)[_PREFIX:]), frames[1:]
+        bufs = [f.buffer if hasattr(f, "buffer") else f for f in rest] if rest else []
+        if base is None:
+            log.warning("dropped an unauthenticated message on %s (unknown key)", where)
+            return None
+        h = base.copy()
+        h.update(header)
+        h.update(_lengths(header, bufs) if bufs else _LEN8(len(header)))
+        stamp = first[8 + MAC_SIZE:_PREFIX]
+        h.update(stamp)
+        if not hmac.compare_digest(h.digest(), bytes(first[8:8 + MAC_SIZE])):
+            log.warning("dropped an unauthenticated message on %s (bad signature)", where)
             return None
         guard = self._guards.get(where)
         if guard is None:

@@ -45,6 +45,7 @@ from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
+from monarch_kernel.node.fanout import FanRelay
 from monarch_kernel.telemetry.agent import AgentTelemetry
 
 log = logging.getLogger("monarch_kernel.agent")
@@ -86,12 +87,18 @@ class HostAgent:
         _raise_fd_limit()
         # Off this host, the link is CurveZMQ too (keys derived from the mesh key, curve.py).
         secret = curve.agent_keys(self.key)[1] if curve.wanted(a.bind) else None
-        self.addr = curve.bind(self.router, f"tcp://{a.bind}:{a.port or '*'}", secret)
+        if a.bind in _WILDCARDS and a.bind != "::" and a.bind != "[::]":
+            # Each address in the mode its peers expect (a peer on this host may dial 127.0.0.1).
+            self.addr = curve.bind_every_interface(self.router, a.port or "*", curve.agent_keys(self.key)[1])
+            self.addr = f"tcp://{a.bind}:{self.addr.rsplit(':', 1)[1]}"
+        else:
+            self.addr = curve.bind(self.router, f"tcp://{a.bind}:{a.port or '*'}", secret)
         if a.bind in _WILDCARDS:
             # Bound to every interface (as a pod's agent may be): tell peers, and bind our
             # procs to, an address they can reach, never 0.0.0.0.
             self.bind_host = _reachable_ip()
             self.addr = self.addr.replace(f"//{a.bind}:", f"//{self.bind_host}:", 1)
+        self.keyring.accept("agent router", wire.dest_id(self.addr))   # requests name this port
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[str, dict] = {}        # spawn id -> {ident, req, keys}
@@ -122,11 +129,13 @@ class HostAgent:
         self.sync_thread: threading.Thread | None = None
         self._load_sync_setup()
         self.telemetry = AgentTelemetry(self)   # samples, proc events, logs (ops tel_*; see its module)
+        self.fanout = FanRelay(self)   # one message per host for calls to many procs (node/fanout.py)
 
     # ---------------------------------------------------------------- messaging
     def send(self, ident: bytes, msg) -> None:
         try:
-            self.router.send_multipart([ident, *self.keyring.sign(self.key, wire.dumps(msg))], copy=False)
+            self.router.send_multipart([ident, *self.keyring.sign(self.key, wire.dumps(msg),
+                                                                   wire.dest_of_identity(ident))], copy=False)
         except zmq.ZMQError as e:
             log.warning("could not send to %r: %s", ident, e)
 
@@ -146,14 +155,20 @@ class HostAgent:
         os.set_blocking(zfd, False)
         poller.register(zfd, zmq.POLLIN)
         poller.register(self.sync_wake_r, zmq.POLLIN)
+        fan_socks = self.fanout.sockets()
+        for s in fan_socks:
+            poller.register(s, zmq.POLLIN)
         while not self.stopping:
-            for sock, _ in poller.poll(100):
+            for sock, _ in poller.poll(self.fanout.timeout_ms(100)):
                 if sock is self.router:
                     self._drain_router()
                 elif sock == zfd:
                     self._read_zygote(zfd)
                 elif sock == self.sync_wake_r:
                     self._send_sync_replies()
+                elif sock in fan_socks:
+                    self.fanout.on_readable(sock)
+            self.fanout.tick()
             self._check_liveness()
             self.telemetry.tick(time.monotonic())
         self.shutdown()
@@ -252,7 +267,7 @@ class HostAgent:
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
                "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
                "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
-               "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank)}
+               "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank), **self.fanout.proc_config()}
         if self.zygote_ready:
             self._write_zygote({"op": "fork", "cfg": cfg})
         else:
@@ -267,6 +282,7 @@ class HostAgent:
         p.state = "dead"
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         self.telemetry.proc_exited(p, pid, how, stopping=was == "stopping")
+        self.fanout.forget_proc(p)
         if was == "stopping":
             self.procs.pop(p.key, None)
             return
@@ -279,6 +295,7 @@ class HostAgent:
                            RuntimeError(f"proc rank {p.rank} on {self.host} {how} while starting; the other "
                                         f"procs of this spawn were stopped"))
                 self._cancel_spawn(sp["keys"])
+        self.fanout.flush_all()   # what it sent before dying arrives before its death
         self.event("died", p.key, failure)
         for q in self.procs.values():
             if q.state == "alive" and q.ident is not None:
@@ -364,7 +381,7 @@ class HostAgent:
         return {"name": self.name, "host": self.host, "pid": os.getpid(), "pid_space": pid_space(),
                 "addr": self.addr,
                 "persistent": self.persistent, "lease": self.lease, "registry": self.registry,
-                "dead": {k: p.rank for k, p in self.procs.items() if p.state == "dead"}}
+                "dead": {k: p.rank for k, p in self.procs.items() if p.state == "dead"}, **self.fanout.describe()}
 
     def op_hb(self, ident, req, controller_addr=None):
         if ident != self.controller and self.controller is None and controller_addr:
@@ -532,6 +549,7 @@ class HostAgent:
                 os.unlink(self.conn_file)
             except FileNotFoundError:
                 pass
+        self.fanout.close()
         self.router.close(0)
         self.ctx.term()
 

@@ -46,6 +46,8 @@ class OutputLimit:
             return False
 
     def take_skipped(self) -> int:
+        if not self.skipped:   # the usual case, before every reply: no lock
+            return 0
         with self._lock:
             n, self.skipped = self.skipped, 0
             return n

@@ -31,6 +31,7 @@ from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
+from monarch_kernel.node import fanout
 from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
 from monarch_kernel.telemetry.worker import ProcTelemetry
 
@@ -87,6 +88,7 @@ class ProcWorker:
         self.host = cfg["host"]
         self.mesh_name = cfg["mesh_name"]
         self.agent = cfg["agent"]
+        self.gather = cfg.get("gather")   # the agent's gather inbox: replies of fanned calls (fanout.py)
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
         self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
@@ -103,6 +105,7 @@ class ProcWorker:
                                         rt.curve_public)
         self.work_ipc = ipc_name("work")
         self.work.bind(self.work_ipc)
+        rt.keyring.accept("work inbox", wire.dest_id(self.work_addr), wire.dest_id(self.work_ipc))
         self.busy_call = None   # (reply_to, call_id) of what the main thread runs now
         self.active: list[str] = []                 # actors running sync code on the main thread
         self.deferred: collections.deque = collections.deque()   # their messages, kept for later
@@ -138,6 +141,12 @@ class ProcWorker:
             return   # in the log file only; the count goes with the next line or reply
         self._send_skipped(sink)
         try:
+            route = fanout.output_route(self.gather, self.busy_call, sink[0])
+            if route is not None:
+                frames = self.rt.keyring.stamp(self.rt.pack(sink[1], ("out", self.rank, stream, text)),
+                                               wire.dest_id(self.gather))
+                self.rt.send_frames(self.gather, [route, *frames])
+                return
             self.rt.send(sink[0], sink[1], ("out", self.rank, stream, text))
         except zmq.ZMQError:
             pass
@@ -378,7 +387,7 @@ class ProcWorker:
         port to this call's caller, or None under broadcast (nobody waits)."""
         if isinstance(call_id, Port):
             return call_id
-        return reply_port(reply_to, self.key, call_id, self.proc_key) if call_id else None
+        return reply_port(fanout.real_address(reply_to), self.key, call_id, self.proc_key) if call_id else None
 
     def _finish_call(self, aid, reply_to, call_id, ok, value, explicit, exc, interrupted=False):
         """Reply, unless the endpoint answers through its port. Monarch's supervision: a
@@ -520,13 +529,20 @@ class ProcWorker:
             if not ok and self.sink is not None:
                 self.rt.send(self.sink[0], self.sink[1], ("unhandled", value))
             return
+        if fanout.fanned(self.gather, reply_to):   # back through the agent, batched per host
+            fanout.send_fanned_reply(self.rt, self.gather, self.key, reply_to, call_id, self.proc_key, ok, value,
+                                     lambda e: self._unsendable(value, e))
+            return
+        reply_to = fanout.real_address(reply_to)
         try:
             frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, ok, value), (reply_to,))
         except Exception as e:
-            err = ActorError(f"the result ({type(value).__name__}) could not be sent back: {e}",
-                             rank=self.rank, host=self.host, exc_type="PicklingError")
-            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, False, err))
+            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, False, self._unsendable(value, e)))
         self.rt.send_frames(reply_to, frames)
+
+    def _unsendable(self, value, e: BaseException) -> ActorError:
+        return ActorError(f"the result ({type(value).__name__}) could not be sent back: {e}",
+                          rank=self.rank, host=self.host, exc_type="PicklingError")
 
     def _error(self, e: BaseException, where: str) -> ActorError:
         debugger.post_mortem(e)   # stops here first when `%mesh debug --post-mortem on`

@@ -1,0 +1,120 @@
+"""Fan-out and fan-in through the host agent (issue 11, section 2): a call to the 8 procs of
+one host is one send from the controller, answered by one batch; point-to-point calls keep
+their direct hop; output still arrives before the reply; a proc killed during a fanned call
+fails only its member, at once, and the replies the others sent are kept.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+
+from monarch_kernel import config
+from monarch_kernel.actor import Actor, SupervisionError, current_rank, endpoint, this_host
+from monarch_kernel.core.runtime import runtime
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Member(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def say(self, i: int) -> int:
+        print(f"line {i} from rank {current_rank().rank}")
+        return i * 10 + current_rank().rank
+
+    @endpoint
+    def ones(self, n: int):
+        return torch.ones(n) * current_rank().rank
+
+    @endpoint
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return current_rank().rank
+
+
+@pytest.fixture(autouse=True)
+def fan_from_4(monkeypatch):
+    """These meshes are small: fan out from 4 members a host (the default is 32)."""
+    monkeypatch.setenv("MONARCH_KERNEL_FANOUT_MIN", "4")
+
+
+@pytest.fixture(scope="module")
+def members():
+    pm = this_host().spawn_procs(per_host={"gpus": 8}, name="fanned")
+    yield pm.spawn("members", Member)
+    pm.stop()
+
+
+class _SendCounter:
+    """Counts the controller's sends by destination (wraps Runtime.send_frames)."""
+
+    def __init__(self, monkeypatch):
+        rt = runtime()
+        self.dests: list[str] = []
+        real = rt.send_frames
+
+        def counting(addr, frames):
+            self.dests.append(addr)
+            return real(addr, frames)
+
+        monkeypatch.setattr(rt, "send_frames", counting)
+
+
+def test_a_call_to_8_procs_of_one_host_is_one_send_from_the_controller(members, monkeypatch):
+    assert config.FANOUT_MIN.get() == 4
+    refs = members._state.proc_state.procs
+    sends = _SendCounter(monkeypatch)
+    assert members.say.call(1).get(30).values() == [10 + r for r in range(8)]
+    assert len(sends.dests) == 1 and sends.dests[0] not in {r.work for r in refs}   # the agent's fan inbox
+    members.say.broadcast(2)
+    assert len(sends.dests) == 2
+    assert len({*members.pid.call().get(30).values()}) == 8
+
+
+def test_call_one_and_a_small_slice_keep_the_direct_hop(members, monkeypatch):
+    refs = members._state.proc_state.procs
+    sends = _SendCounter(monkeypatch)
+    assert members.slice(gpus=3).say.call_one(5).get(30) == 53
+    assert members.slice(gpus=slice(0, 2)).say.call(6).get(30).values() == [60, 61]
+    assert sends.dests == [refs[3].work, refs[0].work, refs[1].work]
+
+
+def test_fanned_replies_carry_tensors_and_every_rank_output_arrives_before_the_reply(members, capfd):
+    got = members.ones.call(1000).get(30).values()
+    assert [float(t[0]) for t in got] == [float(r) for r in range(8)] and got[5].shape == (1000,)
+    capfd.readouterr()
+    members.say.call(7).get(30)
+    out = capfd.readouterr().out   # read at once: the lines were in before the call returned
+    for r in range(8):
+        assert f"line 7 from rank {r}" in out, out
+
+
+def test_a_proc_killed_in_a_fanned_call_fails_its_member_at_once_and_the_others_answer(monkeypatch):
+    pm = this_host().spawn_procs(per_host={"gpus": 6}, name="fanned_kill")
+    try:
+        m = pm.spawn("m", Member)
+        pids = m.pid.call().get(30).values()
+        fut = m.nap.call(2.0)
+        pending = runtime().pending_of(fut)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.kill(pids[4], signal.SIGKILL)
+        with pytest.raises(SupervisionError, match="rank 4"):
+            fut.get(10)
+        assert time.monotonic() - t0 < 1.5
+        deadline = time.monotonic() + 15   # the other naps end: their batched replies are kept
+        while sum(pending.answered) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pending.results[r] for r in (0, 1, 2, 3, 5)] == [0, 1, 2, 3, 5]
+        assert m.slice(gpus=slice(0, 4)).nap.call(0).get(30).values() == [0, 1, 2, 3]
+    finally:
+        pm.stop()

@@ -116,6 +116,7 @@ class HostAgent:
             [sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env={**os.environ, config.AGENT_PID.env: str(os.getpid())}, cwd=os.getcwd())
         self.zygote_ready = False
+        self.zygote_pending = b""   # commands the zygote's stdin pipe has not taken yet
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
         self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
@@ -160,7 +161,7 @@ class HostAgent:
         for s in fan_socks:
             poller.register(s, zmq.POLLIN)
         while not self.stopping:
-            for sock, _ in poller.poll(self.fanout.timeout_ms(100)):
+            for sock, _ in poller.poll(5 if self.zygote_pending else self.fanout.timeout_ms(100)):
                 if sock is self.router:
                     self._drain_router()
                 elif sock == zfd:
@@ -169,6 +170,8 @@ class HostAgent:
                     self._send_sync_replies()
                 elif sock in fan_socks:
                     self.fanout.on_readable(sock)
+            if self.zygote_pending:
+                self._flush_zygote()
             self.fanout.tick()
             self._check_liveness()
             self.telemetry.tick(time.monotonic())
@@ -230,8 +233,21 @@ class HostAgent:
                 self._proc_exited(ev["pid"], ev["code"])
 
     def _write_zygote(self, cmd):
-        self.zygote.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.zygote.stdin.flush()
+        """Queue a command and write what the pipe takes now. Never blocks: 256 fork commands
+        (~1 KB each) overflow the 64 KB pipe while the zygote forks, and a loop blocked in
+        write() answers no heartbeat (the controller then declared the host lost)."""
+        self.zygote_pending += (json.dumps(cmd) + "\n").encode()
+        self._flush_zygote()
+
+    def _flush_zygote(self, block: bool = False) -> None:
+        fd = self.zygote.stdin.fileno()
+        os.set_blocking(fd, block)
+        while self.zygote_pending:
+            try:
+                n = os.write(fd, self.zygote_pending)
+            except BlockingIOError:
+                return
+            self.zygote_pending = self.zygote_pending[n:]
 
     def _check_liveness(self):
         now = time.monotonic()
@@ -537,8 +553,9 @@ class HostAgent:
             self.sync_jobs.put(None)
             self.sync_thread.join(5)
         try:
-            self._write_zygote({"op": "exit"})
-        except (BrokenPipeError, ValueError):
+            self.zygote_pending += b'{"op": "exit"}\n'
+            self._flush_zygote(block=True)
+        except (BrokenPipeError, ValueError, OSError):
             pass
         try:
             self.zygote.wait(2)

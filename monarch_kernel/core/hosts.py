@@ -26,6 +26,7 @@ from .errors import HostUnreachableError, MeshFailure, MeshGoneError
 from .extensions import start_local_agent
 from .future import Future
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
+from .messages import Replaced, Spawn
 from .runtime import ProcRef, pid_alive, pid_space, runtime
 from .shape import Extent
 
@@ -314,7 +315,7 @@ class HostMesh:
             keys = [t.key for t in targets]
             call_id, pending = rt.new_call(keys, Extent(("ranks",), (len(keys),)), "mesh",
                                            f"respawn of '{am.name}'")
-            frames = rt.pack(self._key, ("spawn", am.id, am.name, am.body, am.view, rt.address, call_id))
+            frames = rt.pack(self._key, Spawn.make(am.id, am.name, am.body, am.view, rt.address, call_id))
             for t in targets:
                 rt.send_frames(t.work, frames)
             pending.future.get(120)
@@ -322,7 +323,7 @@ class HostMesh:
         for old, new in replaced:
             for ref in st.procs:
                 if ref.key not in rt.dead:
-                    rt.send(ref.ctrl, self._key, ("replaced", old.key, new, self._key))
+                    rt.send(ref.ctrl, self._key, Replaced.make(old.key, new, self._key))
         for addr in st.agents():
             rt.agent_send(addr, self._key, "register", st.id, st.record())
 

@@ -31,6 +31,7 @@ from .endpoint import (
 from .errors import ActorError, MeshFailure, MeshGoneError, SupervisionError
 from .extensions import install_proc_mesh_members, respawn_hooks
 from .future import Future
+from .messages import Interrupt, LoggingOption, Query, Spawn, StopActor
 from .runtime import ProcRef, Runtime, runtime
 from .shape import Extent, MeshView
 from .values import ValueMesh
@@ -177,7 +178,7 @@ class ProcMesh(_Sliceable):
                           _init_params(actor_class), f"{actor_class.__name__}.__init__")
         keys = [r.key for r in refs]
         call_id, pending = rt.new_call(keys, view.extent, "mesh", f"spawn of '{name}'")
-        fanout.send(rt, st.key, ("spawn", aid, name, body, view, rt.address, call_id, _owner()), refs, 5)
+        fanout.send(rt, st.key, Spawn.make(aid, name, body, view, rt.address, call_id, _owner()), refs, 5)
         am = ActorMeshState(aid, name, actor_class.__qualname__, dict(actor_class._endpoints), st, view,
                             plain_methods(actor_class))
         am.body = body
@@ -214,7 +215,7 @@ class ProcMesh(_Sliceable):
         for r in self._view.ranks:
             ref = st.procs[r]
             if ref.key not in rt.dead and not st.stopped:
-                rt.send(ref.ctrl, st.key, ("interrupt", None))
+                rt.send(ref.ctrl, st.key, Interrupt.make(None))
 
     def states(self, timeout: float = 5.0) -> ValueMesh:
         """Each proc's state ('idle', 'in Trainer.step', ...), pid, actors: a ValueMesh of
@@ -227,7 +228,7 @@ class ProcMesh(_Sliceable):
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
                                        "state query")
         for ref in live:
-            rt.send(ref.ctrl, st.key, ("query", rt.address, call_id))
+            rt.send(ref.ctrl, st.key, Query.make(rt.address, call_id))
         # A proc answers from its I/O thread in a millisecond, unless native code holds its GIL:
         # once some have answered, wait at most a second for the rest, then say which are stuck.
         t0 = time.monotonic()
@@ -303,8 +304,8 @@ class ProcMesh(_Sliceable):
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
                                        "logging_option")
         for ref in live:
-            rt.send(ref.ctrl, st.key, ("logopt", bool(stream_to_client), aggregate_window_sec, level,
-                                       rt.address, call_id))
+            rt.send(ref.ctrl, st.key, LoggingOption.make(bool(stream_to_client), aggregate_window_sec, level,
+                                                         rt.address, call_id))
         pending.future.get(30)
         return _applied("logging_option")
 
@@ -479,7 +480,7 @@ class ActorMesh(_Sliceable, Generic[T]):
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
                                        f"stop of '{st.name}'")
         for ref in live:
-            rt.send(ref.work, ps.key, ("stop_actor", st.id, str(reason), rt.address, call_id))
+            rt.send(ref.work, ps.key, StopActor.make(st.id, str(reason), rt.address, call_id))
         return _quiet(chained(pending.future, lambda _v: None, f"stop of '{st.name}'"))
 
     def __repr__(self):

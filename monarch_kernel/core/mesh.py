@@ -192,7 +192,7 @@ class ProcMesh(_Sliceable):
         _fail_if_dead(rt, keys, pending)
         hm = st.host_mesh
         if hm is not None:
-            hm._register_actor(st, am)
+            hm.register_actor_mesh(st, am)
         return ActorMesh(am)
 
     def actor_mesh(self, name: str) -> ActorMesh:
@@ -265,7 +265,7 @@ class ProcMesh(_Sliceable):
             hm = st.host_mesh
             if hm is None:
                 raise MeshGoneError("stop() is for the controller that spawned or attached this mesh")
-            hm._stop_proc_mesh(st)
+            hm.stop_proc_mesh(st)
         return _quiet(_done(None, f"stop of '{st.name}'"))
 
     @property
@@ -316,7 +316,7 @@ class ProcMesh(_Sliceable):
         hm = st.host_mesh
         if hm is None:
             raise MeshGoneError("respawn() is for the controller that spawned or attached this mesh")
-        hm._respawn(st)
+        hm.respawn_dead(st)
         for hook in respawn_hooks():   # extensions.register_respawn_hook (e.g. tensor re-forms its group)
             hook(self)
         return self
@@ -474,7 +474,7 @@ class ActorMesh(_Sliceable, Generic[T]):
         ps.actor_meshes.pop(st.id, None)
         hm = getattr(ps, "host_mesh", None)
         if hm is not None and not ps.stopped:
-            hm._register_actor(ps, st, forget=True)
+            hm.register_actor_mesh(ps, st, forget=True)
         if not live:
             return _quiet(_done(None, f"stop of '{st.name}'"))
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",

@@ -36,6 +36,10 @@ class Member(Actor):
         return torch.ones(n) * current_rank().rank
 
     @endpoint
+    def total(self, t) -> float:
+        return float(t.sum())
+
+    @endpoint
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return current_rank().rank
@@ -91,6 +95,8 @@ def test_call_one_and_a_small_slice_keep_the_direct_hop(members, monkeypatch):
 def test_fanned_replies_carry_tensors_and_every_rank_output_arrives_before_the_reply(members, capfd):
     got = members.ones.call(1000).get(30).values()
     assert [float(t[0]) for t in got] == [float(r) for r in range(8)] and got[5].shape == (1000,)
+    big = torch.ones(600_000)   # 2.4 MB: a same-host tensor handle, pulled by 8 receivers
+    assert members.total.call(big).get(30).values() == [600_000.0] * 8
     capfd.readouterr()
     members.say.call(7).get(30)
     out = capfd.readouterr().out   # read at once: the lines were in before the call returned

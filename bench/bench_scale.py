@@ -218,7 +218,10 @@ def main() -> None:
     if a.hosts8:
         eight_hosts()
     if not a.no_kernel:
-        kernel_cells(ns)
+        try:
+            kernel_cells(ns)
+        except Exception as e:   # said, not dropped: the ipyparallel figures still follow
+            emit("kernel_cells_failed", 1, "", error=f"{type(e).__name__}: {e}"[:300])
     if not a.no_ipyparallel:
         for n in [int(x) for x in a.ipp_n.split(",") if x] or ns:
             try:

@@ -103,14 +103,14 @@ def test_a_proc_killed_in_a_fanned_call_fails_its_member_at_once_and_the_others_
     try:
         m = pm.spawn("m", Member)
         pids = m.pid.call().get(30).values()
-        fut = m.nap.call(2.0)
+        fut = m.nap.call(5.0)   # the others answer 4.7 s after the kill: "at once" is well before
         pending = runtime().pending_of(fut)
         time.sleep(0.3)
         t0 = time.monotonic()
         os.kill(pids[4], signal.SIGKILL)
         with pytest.raises(SupervisionError, match="rank 4"):
             fut.get(10)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3.0   # the 1 s bound, with room for a loaded 2-core machine
         deadline = time.monotonic() + 15   # the other naps end: their batched replies are kept
         while sum(pending.answered) < 6 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -21,6 +21,7 @@ from . import curve, wire
 from .errors import HostUnreachableError, MeshFailure, SupervisionError
 from .future import Future
 from .host_liveness import LocalAgentWatch
+from .messages import Ev, Rep, Req
 from .transport import pid_alive
 
 if TYPE_CHECKING:
@@ -92,10 +93,10 @@ class AgentLinks:
             return
         req = next(self._ids)
         link.requests[req] = fut
-        link.sock.send_multipart(self.rt.pack_to(addr, key, ("req", req, op, args)), copy=False)
+        link.sock.send_multipart(self.rt.pack_to(addr, key, Req.make(req, op, args)), copy=False)
 
     def send(self, addr: str, key: bytes, op: str, args: tuple) -> None:
-        self.link(addr, key).sock.send_multipart(self.rt.pack_to(addr, key, ("req", 0, op, args)), copy=False)
+        self.link(addr, key).sock.send_multipart(self.rt.pack_to(addr, key, Req.make(0, op, args)), copy=False)
 
     def watch(self, addr: str, key: bytes, pid: int | None, host: str) -> None:
         link = self.link(addr, key)
@@ -128,12 +129,12 @@ class AgentLinks:
             link.unanswered = 0
             if link.lost:
                 self._host_back(link, link.last_seen)
-            if msg[0] == "rep":
-                _, req, ok, value = msg
+            if msg[0] == Rep.KIND:
+                _, req, ok, value = Rep.of(msg)
                 fut = link.requests.pop(req, None)
                 if fut is not None:
                     (fut.set_result if ok else fut.set_exception)(value)
-            elif msg[0] == "ev":
+            elif msg[0] == Ev.KIND:   # ("ev", name, *args): the args are the event's own
                 h = self.event_handlers.get(msg[1])
                 if h is not None:
                     try:
@@ -153,7 +154,7 @@ class AgentLinks:
                 # A lost link is heartbeaten too: a host that answers again comes back.
                 link.last_hb_sent = now
                 link.unanswered += 1
-                link.sock.send_multipart(self.rt.pack_to(link.addr, link.key, ("req", 0, "hb", (self.rt.address,))),
+                link.sock.send_multipart(self.rt.pack_to(link.addr, link.key, Req.make(0, "hb", (self.rt.address,))),
                                         copy=False)
             if link.lost:
                 continue
@@ -215,7 +216,7 @@ class AgentLinks:
         fut = Future("hello")
         req = next(self._ids)
         link.requests[req] = fut
-        link.sock.send_multipart(rt.pack_to(link.addr, link.key, ("req", req, "hello", (rt.contact,))), copy=False)
+        link.sock.send_multipart(rt.pack_to(link.addr, link.key, Req.make(req, "hello", (rt.contact,))), copy=False)
 
         def died_meanwhile(f):
             if f.exception() is not None:

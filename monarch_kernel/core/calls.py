@@ -139,7 +139,7 @@ class Calls:
                 self.outstanding[k] -= 1
 
     def on_result(self, msg) -> None:
-        _, call_id, key, ok, value = msg
+        _, call_id, key, ok, value = msg   # messages.Reply, in field order (the hot path of every call)
         p = self._pending.get(call_id)
         if p is None:
             return

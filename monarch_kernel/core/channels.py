@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Callable, Generic, TypeVar
 
 from .future import Future
+from .messages import PortMessage, Reply
 from .runtime import runtime
 
 R = TypeVar("R")
@@ -58,9 +59,9 @@ class Port(Generic[R]):
                 raise RuntimeError("this response port was already answered: a call gets one reply per "
                                    "member (open a Channel to send several values)")
             self._used = True
-            msg = ("r", target[1], target[2], ok, value)
+            msg = Reply.make(target[1], target[2], ok, value)
         else:
-            msg = ("port", target[1], ok, value, _sender_rank() if rank is None else rank)
+            msg = PortMessage.make(target[1], ok, value, _sender_rank() if rank is None else rank)
         addr = rt.learn_contact(self._contact)
         try:
             frames = rt.pack(self._key, msg, (addr,))
@@ -165,14 +166,14 @@ _channel_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # runti
 
 
 def _install(rt) -> None:
-    rt.on_message("port", _on_port)
+    rt.on_message(PortMessage.KIND, _on_port)
 
 
 def _on_port(msg) -> None:
-    _, pid, ok, value = msg[:4]
-    recv = _receivers.get(pid)
+    m = PortMessage.of(msg)
+    recv = _receivers.get(m.port_id)
     if recv is not None:
-        recv._deliver(ok, value, msg[4] if len(msg) > 4 else None)
+        recv._deliver(m.ok, m.value, m.sender_rank)
 
 
 def chained(inner: Future, fn: Callable[[Any], Any], what: str) -> Future:

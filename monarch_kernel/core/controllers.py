@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from .future import Future
+from .messages import GetController, Reply
 from .runtime import runtime
 
 _registry: dict[str, object] = {}
@@ -48,17 +49,17 @@ def get_or_spawn_controller(name: str, cls, *args, **kwargs) -> Future:
     if w is None or w.sink is None:
         raise RuntimeError("get_or_spawn_controller() needs a controller attached to this mesh")
     call_id, pending = rt.new_call([CONTROLLER_KEY], None, "one", f"controller {name!r}")
-    rt.send(w.sink[0], w.sink[1], ("getctl", name, cls, args, kwargs, rt.contact, call_id, w.proc_key))
+    rt.send(w.sink[0], w.sink[1], GetController.make(name, cls, args, kwargs, rt.contact, call_id, w.proc_key))
     return pending.future
 
 
 def install(rt) -> None:
     """Answer actors' requests (controller side)."""
-    rt.on_message("getctl", _on_request)
+    rt.on_message(GetController.KIND, _on_request)
 
 
 def _on_request(msg) -> None:
-    _, name, cls, args, kwargs, contact, call_id, proc_key = msg
+    _, name, cls, args, kwargs, contact, call_id, proc_key = GetController.of(msg)
     rt = runtime()
 
     def work():
@@ -69,6 +70,6 @@ def _on_request(msg) -> None:
         known = rt.procs.get(proc_key)
         if known is None:
             return
-        rt.send(rt.learn_contact(contact), known[1], ("r", call_id, CONTROLLER_KEY, ok, value))
+        rt.send(rt.learn_contact(contact), known[1], Reply.make(call_id, CONTROLLER_KEY, ok, value))
 
     threading.Thread(target=work, name="monarch-controller-spawn", daemon=True).start()

@@ -68,6 +68,7 @@ class Endpoint(Generic[T]):
         else:
             call_id, pending = port or 0, None
         method = EXPLICIT_PORT_MARK + self._name if self._explicit else self._name
+        # messages.Call as a literal, in field order: the hot path of every call
         msg = ("call", am.id, method, args, kwargs, rt.address, call_id, wire.SOURCES)
         try:
             fanout.send(rt, ps.key, msg, refs, 5)   # one message per host past a few members

@@ -34,7 +34,7 @@ _local_agent_starter: list[Callable] = []
 _large_tensor_hook: list[Callable] = []
 
 
-def _refuse(what: str, name: str, existing) -> None:
+def refuse_duplicate(what: str, name: str, existing) -> None:
     raise DuplicateRegistration(
         f"{what} {name!r} is already registered (by {_owner(existing)}); a feature registers it once, "
         "when monarch_kernel is imported. Pick another name, or remove the other registration")
@@ -53,7 +53,7 @@ def register_message_kind(kind: str, handler: Callable) -> None:
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"a message kind is a non-empty str, got {kind!r}")
     if kind in _message_kinds:
-        _refuse("message kind", kind, _message_kinds[kind])
+        refuse_duplicate("message kind", kind, _message_kinds[kind])
     _message_kinds[kind] = handler
 
 
@@ -67,7 +67,7 @@ def register_large_tensor_hook(hook: Callable) -> None:
     """``hook(tensor, receivers)`` -> a pickle reduction, or None for the socket path: how
     a large CPU tensor travels when every receiver is on this host (core/wire.py)."""
     if _large_tensor_hook:
-        _refuse("the large-tensor hook", "large_tensor", _large_tensor_hook[0])
+        refuse_duplicate("the large-tensor hook", "large_tensor", _large_tensor_hook[0])
     _large_tensor_hook.append(hook)
     import sys
 
@@ -85,7 +85,7 @@ def register_local_agent_starter(start: Callable) -> None:
     """``start(key, *, name, persistent, lease=None, python=None)`` -> (agent info dict,
     process or None): how ``this_host()`` starts a host agent on this machine."""
     if _local_agent_starter:
-        _refuse("the local agent starter", "start_local_agent", _local_agent_starter[0])
+        refuse_duplicate("the local agent starter", "start_local_agent", _local_agent_starter[0])
     _local_agent_starter.append(start)
 
 
@@ -102,7 +102,7 @@ def register_proc_mesh_member(name: str, member) -> None:
     """Add ``name`` to ProcMesh (a function taking the mesh first, or a ``property``), so
     ``procs.name(...)`` reaches a feature without the core importing it."""
     if name in _proc_mesh_members:
-        _refuse("ProcMesh member", name, _proc_mesh_members[name])
+        refuse_duplicate("ProcMesh member", name, _proc_mesh_members[name])
     import sys
 
     mesh_mod = sys.modules.get(__package__ + ".mesh")
@@ -119,7 +119,7 @@ def install_proc_mesh_members(cls) -> None:
 
 def _install_member(cls, name: str, member) -> None:
     if name in cls.__dict__:
-        _refuse("ProcMesh member", name, cls.__dict__[name])
+        refuse_duplicate("ProcMesh member", name, cls.__dict__[name])
     setattr(cls, name, member)
 
 
@@ -128,7 +128,7 @@ def register_respawn_hook(hook: Callable) -> None:
     """``hook(proc_mesh)`` runs after ``ProcMesh.respawn()`` replaced dead procs (a feature
     that keeps per-mesh state on the procs re-forms it)."""
     if hook in _respawn_hooks:
-        _refuse("respawn hook", _owner(hook), hook)
+        refuse_duplicate("respawn hook", _owner(hook), hook)
     _respawn_hooks.append(hook)
 
 

@@ -26,6 +26,7 @@ from .errors import HostUnreachableError, MeshFailure, MeshGoneError
 from .extensions import start_local_agent
 from .future import Future
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
+from .messages import Replaced, Spawn
 from .runtime import ProcRef, pid_alive, pid_space, runtime
 from .shape import Extent
 
@@ -103,7 +104,7 @@ class HostMesh:
         ``bootstrap``: a function run on every new proc before it is returned.
         ``proc_bind``/``bootstrap_command`` (CPU binding, a custom launch command) are not
         supported here: they raise rather than be ignored."""
-        self._check_attached()
+        self.check_attached()
         if proc_bind is not None or bootstrap_command is not None:
             raise NotImplementedError("proc_bind and bootstrap_command are not supported: procs fork from "
                                       "the host agent's warm zygote. Use with_python_executable() for "
@@ -253,13 +254,26 @@ class HostMesh:
         pids = [i.get("pid") if i.get("pid_space") == pid_space() else None for i in self._infos]
         return bool(pids) and all(p is not None and not pid_alive(p) for p in pids)
 
-    def _check_attached(self):
+    def check_attached(self) -> None:
+        """Raise MeshGoneError if this handle was detached or shut down."""
         if self._detached:
             raise MeshGoneError(f"host mesh '{self.name}' was detached or shut down; "
                                 f"attach({self.name!r}) to use it again")
 
-    # ------------------------------------------------------------------ internals used by ProcMesh
-    def _register_actor(self, st: ProcMeshState, am: ActorMeshState, forget: bool = False) -> None:
+    # ------------------------------------------------------------------ for ProcMesh and features
+    @property
+    def mesh_key(self) -> bytes:
+        """The key its agents were started with (signs every request to them)."""
+        return self._key
+
+    def agents_and_infos(self) -> list[tuple[dict, dict]]:
+        """Per agent: its address record and what it said when we attached (host, pid, ...)."""
+        return list(zip(self._agents, self._infos, strict=True))
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
+    def register_actor_mesh(self, st: ProcMeshState, am: ActorMeshState, forget: bool = False) -> None:
         rt = runtime()
         for addr in st.agents():
             rt.agent_send(addr, self._key, "register_actor", st.id, am.id, None if forget else am.record())
@@ -271,7 +285,7 @@ class HostMesh:
             rt.proc_failed(ref.key, MeshFailure(st.name, ref.rank, ref.host, ref.pid, why, ref.key),
                            hint="spawn a new proc mesh")
 
-    def _stop_proc_mesh(self, st: ProcMeshState) -> None:
+    def stop_proc_mesh(self, st: ProcMeshState) -> None:
         rt = runtime()
         futs = [rt.agent_request(addr, self._key, "stop", [r.key for r in refs])
                 for addr, refs in st.agents().items()]
@@ -282,7 +296,7 @@ class HostMesh:
         for addr in st.agents():
             rt.agent_send(addr, self._key, "register", st.id, None)
 
-    def _respawn(self, st: ProcMeshState) -> None:
+    def respawn_dead(self, st: ProcMeshState) -> None:
         rt = runtime()
         dead = [r for r in st.procs if r.key in rt.dead]
         if not dead or st.stopped:
@@ -314,7 +328,7 @@ class HostMesh:
             keys = [t.key for t in targets]
             call_id, pending = rt.new_call(keys, Extent(("ranks",), (len(keys),)), "mesh",
                                            f"respawn of '{am.name}'")
-            frames = rt.pack(self._key, ("spawn", am.id, am.name, am.body, am.view, rt.address, call_id))
+            frames = rt.pack(self._key, Spawn.make(am.id, am.name, am.body, am.view, rt.address, call_id))
             for t in targets:
                 rt.send_frames(t.work, frames)
             pending.future.get(120)
@@ -322,7 +336,7 @@ class HostMesh:
         for old, new in replaced:
             for ref in st.procs:
                 if ref.key not in rt.dead:
-                    rt.send(ref.ctrl, self._key, ("replaced", old.key, new, self._key))
+                    rt.send(ref.ctrl, self._key, Replaced.make(old.key, new, self._key))
         for addr in st.agents():
             rt.agent_send(addr, self._key, "register", st.id, st.record())
 

@@ -248,9 +248,11 @@ class Inbox:
                 hook = self._wait_hook
                 if hook is not None and hook[0] == threading.get_ident():
                     return
-            if not inbox.getsockopt(events) & POLLIN:
+            if deadline is not None and not inbox.getsockopt(events) & POLLIN:
                 if not zpoll(poll_in, _ms_left(deadline, fut, timeout)):
                     continue
+            # No deadline: a blocking recv (what a poll without timeout waited for anyway, at
+            # a few system calls less); whoever resolves fut otherwise sends us a "wake".
             msg = opener(recv(inbox), "inbox")
             if msg is not None and type(msg) is tuple:
                 dispatch(msg)

@@ -31,6 +31,7 @@ from .endpoint import (
 from .errors import ActorError, MeshFailure, MeshGoneError, SupervisionError
 from .extensions import install_proc_mesh_members, respawn_hooks
 from .future import Future
+from .messages import Interrupt, LoggingOption, Query, Spawn, StopActor
 from .runtime import ProcRef, Runtime, runtime
 from .shape import Extent, MeshView
 from .values import ValueMesh
@@ -177,7 +178,7 @@ class ProcMesh(_Sliceable):
                           _init_params(actor_class), f"{actor_class.__name__}.__init__")
         keys = [r.key for r in refs]
         call_id, pending = rt.new_call(keys, view.extent, "mesh", f"spawn of '{name}'")
-        fanout.send(rt, st.key, ("spawn", aid, name, body, view, rt.address, call_id, _owner()), refs, 5)
+        fanout.send(rt, st.key, Spawn.make(aid, name, body, view, rt.address, call_id, _owner()), refs, 5)
         am = ActorMeshState(aid, name, actor_class.__qualname__, dict(actor_class._endpoints), st, view,
                             plain_methods(actor_class))
         am.body = body
@@ -191,7 +192,7 @@ class ProcMesh(_Sliceable):
         _fail_if_dead(rt, keys, pending)
         hm = st.host_mesh
         if hm is not None:
-            hm._register_actor(st, am)
+            hm.register_actor_mesh(st, am)
         return ActorMesh(am)
 
     def actor_mesh(self, name: str) -> ActorMesh:
@@ -214,7 +215,7 @@ class ProcMesh(_Sliceable):
         for r in self._view.ranks:
             ref = st.procs[r]
             if ref.key not in rt.dead and not st.stopped:
-                rt.send(ref.ctrl, st.key, ("interrupt", None))
+                rt.send(ref.ctrl, st.key, Interrupt.make(None))
 
     def states(self, timeout: float = 5.0) -> ValueMesh:
         """Each proc's state ('idle', 'in Trainer.step', ...), pid, actors: a ValueMesh of
@@ -227,7 +228,7 @@ class ProcMesh(_Sliceable):
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
                                        "state query")
         for ref in live:
-            rt.send(ref.ctrl, st.key, ("query", rt.address, call_id))
+            rt.send(ref.ctrl, st.key, Query.make(rt.address, call_id))
         # A proc answers from its I/O thread in a millisecond, unless native code holds its GIL:
         # once some have answered, wait at most a second for the rest, then say which are stuck.
         t0 = time.monotonic()
@@ -264,7 +265,7 @@ class ProcMesh(_Sliceable):
             hm = st.host_mesh
             if hm is None:
                 raise MeshGoneError("stop() is for the controller that spawned or attached this mesh")
-            hm._stop_proc_mesh(st)
+            hm.stop_proc_mesh(st)
         return _quiet(_done(None, f"stop of '{st.name}'"))
 
     @property
@@ -303,8 +304,8 @@ class ProcMesh(_Sliceable):
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
                                        "logging_option")
         for ref in live:
-            rt.send(ref.ctrl, st.key, ("logopt", bool(stream_to_client), aggregate_window_sec, level,
-                                       rt.address, call_id))
+            rt.send(ref.ctrl, st.key, LoggingOption.make(bool(stream_to_client), aggregate_window_sec, level,
+                                                         rt.address, call_id))
         pending.future.get(30)
         return _applied("logging_option")
 
@@ -315,7 +316,7 @@ class ProcMesh(_Sliceable):
         hm = st.host_mesh
         if hm is None:
             raise MeshGoneError("respawn() is for the controller that spawned or attached this mesh")
-        hm._respawn(st)
+        hm.respawn_dead(st)
         for hook in respawn_hooks():   # extensions.register_respawn_hook (e.g. tensor re-forms its group)
             hook(self)
         return self
@@ -423,7 +424,8 @@ class ActorMesh(_Sliceable, Generic[T]):
             raise AttributeError(name)
         st = self.__dict__.get("_state") or object.__getattribute__(self, "_state")
         if name in st.endpoints:
-            return Endpoint(self, name)
+            ep = self.__dict__[name] = Endpoint(self, name)   # later accesses skip __getattr__
+            return ep
         if name in st.methods:
             return NotAnEndpoint(self, name)
         eps = ", ".join(sorted(st.endpoints)) or "none"
@@ -472,13 +474,13 @@ class ActorMesh(_Sliceable, Generic[T]):
         ps.actor_meshes.pop(st.id, None)
         hm = getattr(ps, "host_mesh", None)
         if hm is not None and not ps.stopped:
-            hm._register_actor(ps, st, forget=True)
+            hm.register_actor_mesh(ps, st, forget=True)
         if not live:
             return _quiet(_done(None, f"stop of '{st.name}'"))
         call_id, pending = rt.new_call([r.key for r in live], Extent(("ranks",), (len(live),)), "mesh",
                                        f"stop of '{st.name}'")
         for ref in live:
-            rt.send(ref.work, ps.key, ("stop_actor", st.id, str(reason), rt.address, call_id))
+            rt.send(ref.work, ps.key, StopActor.make(st.id, str(reason), rt.address, call_id))
         return _quiet(chained(pending.future, lambda _v: None, f"stop of '{st.name}'"))
 
     def __repr__(self):

@@ -59,7 +59,7 @@ def _ranges(ranks) -> str:
 
 
 def host_mesh_html(hm) -> str:
-    rows = [[i, info["host"], info["addr"], info["pid"]] for i, info in enumerate(hm._infos)]
+    rows = [[i, info["host"], info["addr"], info["pid"]] for i, (_, info) in enumerate(hm.agents_and_infos())]
     return (f"<div><b>HostMesh</b> '{html.escape(hm.name)}' "
             f"({'persistent' if hm.persistent else 'private'})"
             f"{_table(['host', 'name', 'agent', 'pid'], rows)}</div>")

@@ -27,6 +27,7 @@ from .agent_links import HEARTBEAT_S, HOST_TIMEOUT_S, AgentLink, AgentLinks
 from .calls import Calls, PendingCall
 from .future import Future
 from .inbox import Inbox
+from .messages import Died, Output, Replaced, Reply, Unhandled, Wake
 from .transport import (
     SAME_HOST_IPC,
     ProcRef,
@@ -71,16 +72,16 @@ class Runtime:
         self.learn_contact = transport.learn_contact
         self.new_call, self.abandon, self.proc_failed = calls.new_call, calls.abandon, calls.proc_failed
         self.pending_of, self.answered_so_far = calls.pending_of, calls.answered_so_far
-        self.raise_unhandled = calls.raise_unhandled
+        self.raise_unhandled, self.has_unhandled = calls.raise_unhandled, calls.has_unhandled
         self.wait_for, self.call_in_io = inbox.wait_for, inbox.call_in_io
         self.outstanding, self.dead, self.death_listeners = calls.outstanding, calls.dead, calls.death_listeners
         self.agents, self.outages = self._agents.links, self._agents.outages
         self.agent_event_handlers = self._agents.event_handlers
         self.procs: dict[str, tuple[ProcRef, bytes]] = {}   # every proc this process knows
         self.mesh_states: dict = {}   # proc mesh id -> ProcMeshState known here
-        self.handlers: dict[str, Callable] = {
-            "r": calls.on_result, "out": self._on_output, "died": self._on_died,
-            "unhandled": self._on_unhandled, "replaced": self._on_replaced, "wake": _ignore,
+        self.handlers: dict[str, Callable] = {   # the core's kinds (messages.py names them all)
+            Reply.KIND: calls.on_result, Output.KIND: self._on_output, Died.KIND: self._on_died,
+            Unhandled.KIND: self._on_unhandled, Replaced.KIND: self._on_replaced, Wake.KIND: _ignore,
         }
         self.output: Callable[[int, str, str], None] = _print_output
         self.replace_listeners: list[Callable[[str, ProcRef], None]] = []
@@ -103,7 +104,7 @@ class Runtime:
     def _install(table: dict, what: str, kind: str, handler: Callable, replace: bool) -> None:
         have = table.get(kind)
         if have is not None and have != handler and not replace:
-            extensions._refuse(what, kind, have)
+            extensions.refuse_duplicate(what, kind, have)
         table[kind] = handler
 
     def once(self, what: str) -> bool:
@@ -124,28 +125,27 @@ class Runtime:
             log.exception("handler for %r failed", msg[0])
 
     def _on_output(self, msg):
-        _, rank, stream, text = msg
-        self.output(rank, stream, text)
+        m = Output.of(msg)
+        self.output(m.rank, m.stream, m.text)
 
     def _on_died(self, msg):
-        _, key, failure = msg
-        self.proc_failed(key, failure)
+        m = Died.of(msg)
+        self.proc_failed(m.key, m.failure)
 
     def _on_replaced(self, msg):
-        _, old_key, ref, key = msg
-        self.register_procs([ref], key)
+        m = Replaced.of(msg)
+        self.register_procs([m.ref], m.mesh_key)
         for fn in list(self.replace_listeners):
-            fn(old_key, ref)
+            fn(m.old_key, m.ref)
 
     def _on_unhandled(self, msg):
         from .supervision import deliver_unhandled, failure_of
 
-        err = msg[1]
-        deliver_unhandled(failure_of(err), err, seen=len(msg) > 2 and bool(msg[2]),
-                          mesh_id=msg[3] if len(msg) > 3 else None)
+        m = Unhandled.of(msg)
+        deliver_unhandled(failure_of(m.error), m.error, seen=bool(m.seen), mesh_id=m.mesh_id)
 
     def _wake_self(self) -> None:
-        self.send(self.address, self.keyring.any_key(), ("wake",))
+        self.send(self.address, self.keyring.any_key(), Wake.make())
 
     # ----------------------------------------------------------------- procs and peers
     def register_procs(self, refs, key: bytes) -> None:
@@ -181,9 +181,6 @@ class Runtime:
         return addr
 
     # ----------------------------------------------------------------- unhandled failures
-    def has_unhandled(self) -> bool:
-        return self.calls.has_unhandled()
-
     def queue_unhandled(self, err: BaseException) -> None:
         self.calls.queue_unhandled(err)
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..core.messages import Interrupt
 from ..core.runtime import Runtime, runtime
 from ..core.shape import MeshView, parse_rank_spec
 
@@ -184,7 +185,7 @@ class DebugRegistry:
         for s in self.paused():
             found = self.rt.procs.get(s.key)
             if found is not None:
-                self.rt.send(found[0].ctrl, found[1], ("interrupt", None))
+                self.rt.send(found[0].ctrl, found[1], Interrupt.make(None))
                 self.rt.send(found[0].ctrl, found[1], ("dbg_in", "continue"))
 
     def set_post_mortem(self, procs, on: bool) -> None:

@@ -167,7 +167,7 @@ class JobTrait(ABC):
         progress = progress or (lambda text: log.info("%s", text))
         if not self._meshes:
             raise ValueError(f"{type(self).__name__} has no meshes yet: add one first (add_mesh)")
-        if self._hosts and not any(h._detached for h in self._hosts.values()):
+        if self._hosts and not any(h.detached for h in self._hosts.values()):
             reason = self._gone_reason()
             if reason is None:
                 return JobState(self._hosts, self)

@@ -109,11 +109,11 @@ class MeshSession:
         if self.host is not None and (self.name != name or (job is not None and job is not self.job)):
             self.disconnect()
         stale = hosts_mod._named.get(name)
-        if stale is not None and not stale._detached and not host_alive(stale):
+        if stale is not None and not stale.detached and not host_alive(stale):
             stale._forget()
         if job is not None and self._prewarmed == name:
             pre = hosts_mod._named.get(name)   # a local agent started ahead of time holds the name
-            if pre is not None and not pre._detached and not pre.proc_meshes:
+            if pre is not None and not pre.detached and not pre.proc_meshes:
                 pre.shutdown()
             self._prewarmed = None
         if job is not None:
@@ -178,7 +178,7 @@ class MeshSession:
         name = self.name
         if self.job is not None:
             self.job.disconnect()   # the allocation keeps running until its lease
-        elif self.host is not None and not self.host._detached:
+        elif self.host is not None and not self.host.detached:
             self.host.detach()
         self.forget()
         return name
@@ -195,9 +195,9 @@ class MeshSession:
                 self.forget()
             return name
         hm = self.host if self.name == name else None
-        if hm is None or hm._detached:
+        if hm is None or hm.detached:
             hm = hosts_mod._named.get(name)
-        if hm is None or hm._detached:
+        if hm is None or hm.detached:
             info = read_connection_file(name)   # MeshGoneError: no such mesh
             if not agent_alive(info):
                 from ..core.connection import connection_path
@@ -221,11 +221,11 @@ class MeshSession:
         if self._prewarm is not None:
             self._prewarm.join(10)
         pre = self._prewarmed and hosts_mod._named.get(self._prewarmed)
-        if pre and not pre._detached and not pre.proc_meshes and pre is not self.host:
+        if pre and not pre.detached and not pre.proc_meshes and pre is not self.host:
             pre.shutdown()
         if self.job is not None:
             self.job.disconnect()   # a job's allocation outlives the kernel, until its lease
-        elif self.host is not None and not self.host._detached:
+        elif self.host is not None and not self.host.detached:
             if self.host.proc_meshes:
                 self.host.detach()
             else:
@@ -239,7 +239,7 @@ class NotConnected(Exception):
 
 def host_alive(hm: HostMesh | None) -> bool:
     """The host mesh's local agent still runs and its link is not declared lost."""
-    if hm is None or hm._detached:
+    if hm is None or hm.detached:
         return False
     proc = getattr(hm, "_process", None)
     if proc is not None and proc.poll() is not None:   # our child: poll() also reaps it
@@ -247,13 +247,14 @@ def host_alive(hm: HostMesh | None) -> bool:
     rt = runtime()
     here = socket.gethostname()
     gone = 0
-    for a in hm._agents:
+    agents = [a for a, _ in hm.agents_and_infos()]
+    for a in agents:
         link = rt.agents.get(a["addr"])
         pid = a.get("pid")
         if (link is not None and link.lost) or (pid and a.get("host") == here and not _pid_alive(pid)):
             gone += 1
     # A mesh of several hosts that lost some keeps its other hosts' ranks (and their state).
-    return gone == 0 or (len(hm._agents) > 1 and gone < len(hm._agents))
+    return gone == 0 or (len(agents) > 1 and gone < len(agents))
 
 
 def _cached_job(name: str):
@@ -290,7 +291,7 @@ def _pid_alive(pid: int) -> bool:
 def set_lease(hm: HostMesh, seconds: float) -> None:
     """Tell the agents how long to keep the mesh with no controller attached."""
     rt = runtime()
-    futs = [rt.agent_request(a["addr"], hm._key, "lease", float(seconds)) for a in hm._agents]
+    futs = [rt.agent_request(a["addr"], hm.mesh_key, "lease", float(seconds)) for a, _ in hm.agents_and_infos()]
     for f in futs:
         try:
             f.get(5)

@@ -44,6 +44,7 @@ import zmq
 from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
+from monarch_kernel.core.messages import Ev, Rep, Req
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
 from monarch_kernel.node.fanout import FanRelay
 from monarch_kernel.telemetry.agent import AgentTelemetry
@@ -115,6 +116,7 @@ class HostAgent:
             [sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env={**os.environ, config.AGENT_PID.env: str(os.getpid())}, cwd=os.getcwd())
         self.zygote_ready = False
+        self.zygote_pending = b""   # commands the zygote's stdin pipe has not taken yet
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
         self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
@@ -141,11 +143,11 @@ class HostAgent:
 
     def reply(self, ident, req, ok, value) -> None:
         if req:
-            self.send(ident, ("rep", req, ok, value))
+            self.send(ident, Rep.make(req, ok, value))
 
     def event(self, name, *args) -> None:
         if self.controller is not None:
-            self.send(self.controller, ("ev", name, *args))
+            self.send(self.controller, Ev.make(name) + args)
 
     # ---------------------------------------------------------------- main loop
     def serve(self) -> None:
@@ -159,7 +161,7 @@ class HostAgent:
         for s in fan_socks:
             poller.register(s, zmq.POLLIN)
         while not self.stopping:
-            for sock, _ in poller.poll(self.fanout.timeout_ms(100)):
+            for sock, _ in poller.poll(5 if self.zygote_pending else self.fanout.timeout_ms(100)):
                 if sock is self.router:
                     self._drain_router()
                 elif sock == zfd:
@@ -168,6 +170,8 @@ class HostAgent:
                     self._send_sync_replies()
                 elif sock in fan_socks:
                     self.fanout.on_readable(sock)
+            if self.zygote_pending:
+                self._flush_zygote()
             self.fanout.tick()
             self._check_liveness()
             self.telemetry.tick(time.monotonic())
@@ -181,9 +185,9 @@ class HostAgent:
                 return
             ident = frames[0].bytes
             msg = self.keyring.open(frames[1:], "agent router")
-            if not isinstance(msg, tuple) or len(msg) != 4 or msg[0] != "req":
+            if not isinstance(msg, tuple) or len(msg) != len(Req._fields) or msg[0] != Req.KIND:
                 continue
-            _, req, op, args = msg
+            _, req, op, args = Req.of(msg)
             handler = getattr(self, "op_" + op, None)
             if handler is None and op.startswith("sync_"):
                 self._queue_sync_op(ident, req, op, args)
@@ -229,8 +233,21 @@ class HostAgent:
                 self._proc_exited(ev["pid"], ev["code"])
 
     def _write_zygote(self, cmd):
-        self.zygote.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.zygote.stdin.flush()
+        """Queue a command and write what the pipe takes now. Never blocks: 256 fork commands
+        (~1 KB each) overflow the 64 KB pipe while the zygote forks, and a loop blocked in
+        write() answers no heartbeat (the controller then declared the host lost)."""
+        self.zygote_pending += (json.dumps(cmd) + "\n").encode()
+        self._flush_zygote()
+
+    def _flush_zygote(self, block: bool = False) -> None:
+        fd = self.zygote.stdin.fileno()
+        os.set_blocking(fd, block)
+        while self.zygote_pending:
+            try:
+                n = os.write(fd, self.zygote_pending)
+            except BlockingIOError:
+                return
+            self.zygote_pending = self.zygote_pending[n:]
 
     def _check_liveness(self):
         now = time.monotonic()
@@ -256,7 +273,7 @@ class HostAgent:
         self.controller_seen = time.monotonic()
         for p in self.procs.values():
             if p.ident is not None and p.state == "alive":
-                self.send(p.ident, ("ev", "sink", None, None))
+                self.send(p.ident, Ev.make("sink") + (None, None))
 
     # ---------------------------------------------------------------- procs
     def _fork(self, mesh_id, mesh_name, rank, labels, sizes, sink, local_index):
@@ -299,7 +316,7 @@ class HostAgent:
         self.event("died", p.key, failure)
         for q in self.procs.values():
             if q.state == "alive" and q.ident is not None:
-                self.send(q.ident, ("ev", "died", p.key, failure))
+                self.send(q.ident, Ev.make("died") + (p.key, failure))
 
     def _stop_procs(self, procs, grace=1.0):
         for p in procs:
@@ -365,7 +382,7 @@ class HostAgent:
     def op_hello(self, ident, req, controller_addr, persistent_hint=None):
         if self.controller not in (None, ident):
             log.warning("controller %s replaced by %s", self.controller_addr, controller_addr)
-            self.send(self.controller, ("ev", "superseded", controller_addr))
+            self.send(self.controller, Ev.make("superseded") + (controller_addr,))
         self._attach(ident, controller_addr)
         self.reply(ident, req, True, self.describe())
 
@@ -375,7 +392,7 @@ class HostAgent:
         self.had_controller = True
         for p in self.procs.values():
             if p.ident is not None and p.state == "alive":
-                self.send(p.ident, ("ev", "sink", controller_addr, self.key))
+                self.send(p.ident, Ev.make("sink") + (controller_addr, self.key))
 
     def describe(self):
         return {"name": self.name, "host": self.host, "pid": os.getpid(), "pid_space": pid_space(),
@@ -390,7 +407,7 @@ class HostAgent:
             self._attach(ident, controller_addr)
         if ident == self.controller:
             self.controller_seen = time.monotonic()
-            self.send(ident, ("ev", "hb"))
+            self.send(ident, Ev.make("hb"))
 
     def op_detach(self, ident, req):
         if ident == self.controller:
@@ -536,8 +553,9 @@ class HostAgent:
             self.sync_jobs.put(None)
             self.sync_thread.join(5)
         try:
-            self._write_zygote({"op": "exit"})
-        except (BrokenPipeError, ValueError):
+            self.zygote_pending += b'{"op": "exit"}\n'
+            self._flush_zygote(block=True)
+        except (BrokenPipeError, ValueError, OSError):
             pass
         try:
             self.zygote.wait(2)

@@ -27,6 +27,21 @@ from monarch_kernel.core.channels import Port, reply_port
 from monarch_kernel.core.context import _CTX, ActorInstance, Context
 from monarch_kernel.core.endpoint import EXPLICIT_PORT_MARK
 from monarch_kernel.core.errors import ActorError, MeshFailure, SupervisionError
+from monarch_kernel.core.messages import (
+    AbortActor,
+    Call,
+    Died,
+    Interrupt,
+    KillActor,
+    LoggingOption,
+    Output,
+    Query,
+    Reply,
+    Spawn,
+    StopActor,
+    Supervise,
+    Unhandled,
+)
 from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
@@ -143,11 +158,11 @@ class ProcWorker:
         try:
             route = fanout.output_route(self.gather, self.busy_call, sink[0])
             if route is not None:
-                frames = self.rt.keyring.stamp(self.rt.pack(sink[1], ("out", self.rank, stream, text)),
+                frames = self.rt.keyring.stamp(self.rt.pack(sink[1], Output.make(self.rank, stream, text)),
                                                wire.dest_id(self.gather))
                 self.rt.send_frames(self.gather, [route, *frames])
                 return
-            self.rt.send(sink[0], sink[1], ("out", self.rank, stream, text))
+            self.rt.send(sink[0], sink[1], Output.make(self.rank, stream, text))
         except zmq.ZMQError:
             pass
 
@@ -155,7 +170,7 @@ class ProcWorker:
         n = self.output_limit.take_skipped()
         if n and sink is not None:
             try:
-                self.rt.send(sink[0], sink[1], ("out", self.rank, SKIPPED, skipped_text(self.rank, n)))
+                self.rt.send(sink[0], sink[1], Output.make(self.rank, SKIPPED, skipped_text(self.rank, n)))
             except zmq.ZMQError:
                 pass
 
@@ -171,7 +186,7 @@ class ProcWorker:
     def _on_interrupt(self, msg):
         """Interrupt what runs now: KeyboardInterrupt in sync code on the main thread, and
         CancelledError in the async endpoints awaiting on the event loop."""
-        _, call_id = msg
+        call_id = Interrupt.of(msg).call
         busy = self.busy_call
         if busy is not None and (call_id is None or busy[1] == call_id):
             self.interrupting = busy
@@ -182,25 +197,25 @@ class ProcWorker:
 
     def _on_logging_option(self, msg):
         """ProcMesh.logging_option: where output goes and the root logger's level."""
-        _, stream, _window, level, reply_to, call_id = msg
+        m = LoggingOption.of(msg)
         import logging
 
-        self.stream_to_client = stream
+        self.stream_to_client = m.stream_to_client
         root = logging.getLogger()
-        root.setLevel(level)
+        root.setLevel(m.level)
         if not root.handlers:   # records at the level reach the output (and so the controller)
             root.addHandler(logging.StreamHandler(sys.stderr))
-        self.rt.send(reply_to, self.key, ("r", call_id, self.proc_key, True, None))
+        self.rt.send(m.reply_to, self.key, Reply.make(m.call_id, self.proc_key, True, None))
 
     def _on_query(self, msg):
         """Answered on the I/O thread, so it works while the main thread runs user code."""
-        _, reply_to, call_id = msg
+        m = Query.of(msg)
         state = self.state
         if state == "idle" and self.async_calls:
             state = "awaiting " + ", ".join(sorted({w for _, w in self.async_calls.values()}))
         info = {"state": state, "pid": os.getpid(), "host": self.host, "rank": self.rank,
                 "actors": sorted({s.name for s in self.actors.values()}), **self.query_extra()}
-        self.rt.send(reply_to, self.key, ("r", call_id, self.proc_key, True, info))
+        self.rt.send(m.reply_to, self.key, Reply.make(m.call_id, self.proc_key, True, info))
 
     def query_extra(self) -> dict:
         """Hook for features that add to a proc's status (debugger, RDMA buffers)."""
@@ -213,8 +228,8 @@ class ProcWorker:
         return out
 
     def _on_died_notice(self, msg):
-        _, key, failure = msg
-        self._peer_died(key, failure)
+        m = Died.of(msg)
+        self._peer_died(m.key, m.failure)
 
     def _peer_died(self, key, failure):
         self.rt.proc_failed(key, failure)
@@ -223,7 +238,7 @@ class ProcWorker:
         for child, (owner, keys) in list(self.owned.items()):
             if key in keys:
                 failure = err.failure or MeshFailure(child, None, "", None, str(err), key)
-                self.rt.send(self.work_addr, self.key, ("supervise", owner, failure, child))
+                self.rt.send(self.work_addr, self.key, Supervise.make(owner, failure, child))
 
     # ---------------------------------------------------------------- the main loop
     def serve(self) -> int:
@@ -284,7 +299,8 @@ class ProcWorker:
         m = getattr(failure, "partial", None)
         if type(m) is not tuple or len(m) < 7 or m[0] != "call":
             return
-        slot = self.actors.get(m[1])
+        m = Call.of(m)
+        slot = self.actors.get(m.actor_id)
         e = failure.error
         if isinstance(e, (ImportError, AttributeError)):
             fix = ("Make the module importable on the workers (install it, or sync your code), or send "
@@ -292,17 +308,16 @@ class ProcWorker:
         else:
             fix = ("Unpickling one of them raised here (e.g. its __setstate__ or __reduce__): fix that, or "
                    "send plain data")
-        method = m[2][len(EXPLICIT_PORT_MARK):] if str(m[2]).startswith(EXPLICIT_PORT_MARK) else m[2]
-        self._reply(m[5], m[6], False, ActorError(
+        method = str(m.method).removeprefix(EXPLICIT_PORT_MARK)
+        self._reply(m.reply_to, m.call_id, False, ActorError(
             f"its arguments could not be unpickled on this worker: {e!r}. {fix}", rank=self.rank,
-            host=self.host, exc_type=type(e).__name__, actor=f"{slot.name if slot else m[1]}.{method}"))
+            host=self.host, exc_type=type(e).__name__, actor=f"{slot.name if slot else m.actor_id}.{method}"))
 
     def do_exit(self, msg):
         self.running = False
 
     def do_spawn(self, msg):
-        _, aid, name, body, view, reply_to, call_id = msg[:7]
-        owner = msg[7] if len(msg) > 7 else None
+        _, aid, name, body, view, reply_to, call_id, owner = Spawn.of(msg)
         try:
             cls, args, kwargs, _src = wire.loads(body)
         except BaseException as e:
@@ -342,7 +357,7 @@ class ProcWorker:
         return MeshFailure(name, self.rank, self.host, os.getpid(), reason, self.proc_key)
 
     def do_call(self, msg):
-        _, aid, method, args, kwargs, reply_to, call_id, _src = msg
+        _, aid, method, args, kwargs, reply_to, call_id, _src = msg   # messages.Call, in field order (hot path)
         slot = self.actors.get(aid)
         if slot is None:
             name, why, cause = self.failed.get(aid, (aid, "it was stopped, or failed to start", None))
@@ -419,10 +434,10 @@ class ProcWorker:
         got this error as its reply already."""
         if owner is None:
             if self.sink is not None:
-                self.rt.send(self.sink[0], self.sink[1], ("unhandled", err, seen, aid))
+                self.rt.send(self.sink[0], self.sink[1], Unhandled.make(err, seen, aid))
             return
         addr, key, owner_aid = owner
-        self.rt.send(addr, key, ("supervise", owner_aid, failure, aid))
+        self.rt.send(addr, key, Supervise.make(owner_aid, failure, aid))
 
     def _cleanup(self, slot: ActorSlot, exc) -> None:
         """``__cleanup__(exc)`` (Monarch's signature; an old ``__cleanup__(self)`` still
@@ -445,18 +460,18 @@ class ProcWorker:
             _CTX.reset(token)
 
     def do_stop_actor(self, msg):
-        aid = msg[1]
-        reason = msg[2] if len(msg) > 2 else "stopped"
+        m = StopActor.of(msg)
+        aid, reason = m.actor_id, m.reason
         slot = self.actors.pop(aid, None)
         self.owned.pop(aid, None)
         if slot is not None:
             self._gone(aid, slot.name, f"it was stopped ({reason})", None)
             self._cleanup(slot, None)
-        if len(msg) > 4 and msg[4]:
-            self._reply(msg[3], msg[4], True, None)
+        if m.call_id:
+            self._reply(m.reply_to, m.call_id, True, None)
 
     def do_abort_actor(self, msg):
-        _, aid, reason = msg
+        _, aid, reason = AbortActor.of(msg)
         slot = self.actors.get(aid)
         if slot is not None:
             err = ActorError(f"aborted: {reason}", rank=self.rank, host=self.host, exc_type="Abort",
@@ -465,18 +480,18 @@ class ProcWorker:
 
     def do_kill_actor(self, msg):
         """An async endpoint failed its actor: stopped here, on the main thread."""
-        _, aid, err, seen = msg
+        _, aid, err, seen = KillActor.of(msg)
         self._kill(aid, err, self._kill_exc.pop(aid, None), seen)
 
     # called by context().actor_instance.stop()/abort() (any thread): after the current message
     def stop_actor(self, aid: str, reason: str) -> None:
-        self.rt.send(self.work_addr, self.key, ("stop_actor", aid, reason))
+        self.rt.send(self.work_addr, self.key, StopActor.make(aid, reason))
 
     def abort_actor(self, aid: str, reason: str) -> None:
-        self.rt.send(self.work_addr, self.key, ("abort_actor", aid, reason))
+        self.rt.send(self.work_addr, self.key, AbortActor.make(aid, reason))
 
     def do_supervise(self, msg):
-        _, owner, failure, child = msg
+        _, owner, failure, child = Supervise.of(msg)
         slot = self.actors.get(owner)
         if slot is None or not hasattr(slot.obj, "__supervise__"):
             self._unhandled(slot, failure, owner)
@@ -509,12 +524,12 @@ class ProcWorker:
         (Monarch's supervision tree); from the top, to the controller's unhandled_fault_hook."""
         if slot is not None and slot.owner is not None:
             addr, key, owner_aid = slot.owner
-            self.rt.send(addr, key, ("supervise", owner_aid, failure, aid))
+            self.rt.send(addr, key, Supervise.make(owner_aid, failure, aid))
             return
         if self.sink is not None:
             err = SupervisionError(failure, f"unhandled by {slot.name if slot else 'its owner'} "
                                             "(no __supervise__, or it returned a falsy value)")
-            self.rt.send(self.sink[0], self.sink[1], ("unhandled", err))
+            self.rt.send(self.sink[0], self.sink[1], Unhandled.make(err))
 
     # ---------------------------------------------------------------- replies and errors
     def _reply(self, reply_to, call_id, ok, value, rank=None):
@@ -527,7 +542,7 @@ class ProcWorker:
             return
         if not call_id:   # broadcast: fire and forget; failures still reach the controller
             if not ok and self.sink is not None:
-                self.rt.send(self.sink[0], self.sink[1], ("unhandled", value))
+                self.rt.send(self.sink[0], self.sink[1], Unhandled.make(value))
             return
         if fanout.fanned(self.gather, reply_to):   # back through the agent, batched per host
             fanout.send_fanned_reply(self.rt, self.gather, self.key, reply_to, call_id, self.proc_key, ok, value,
@@ -535,9 +550,10 @@ class ProcWorker:
             return
         reply_to = fanout.real_address(reply_to)
         try:
+            # messages.Reply as a literal, in field order: the hot path of every call
             frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, ok, value), (reply_to,))
         except Exception as e:
-            frames = self.rt.pack(self.key, ("r", call_id, self.proc_key, False, self._unsendable(value, e)))
+            frames = self.rt.pack(self.key, Reply.make(call_id, self.proc_key, False, self._unsendable(value, e)))
         self.rt.send_frames(reply_to, frames)
 
     def _unsendable(self, value, e: BaseException) -> ActorError:
@@ -587,7 +603,7 @@ class ProcWorker:
             if _fails_the_actor(exc, call_id, interrupted):   # stopped on the main thread, after the reply
                 self._kill_exc[aid] = exc
                 self._finish_call(aid, reply_to, call_id, ok, value, explicit, None)
-                self.rt.send(self.work_addr, self.key, ("kill_actor", aid, value, bool(call_id)))
+                self.rt.send(self.work_addr, self.key, KillActor.make(aid, value, bool(call_id)))
             else:
                 self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc, interrupted)
 

@@ -210,9 +210,9 @@ def _targets(mesh) -> tuple[list[HostTarget], list]:
         mesh = hm
     if not isinstance(mesh, HostMesh):
         raise TypeError(f"sync_workspace needs a ProcMesh or HostMesh, got {type(mesh).__name__}")
-    mesh._check_attached()
-    targets = [HostTarget(a["addr"], mesh._key, info.get("host") or a.get("host") or a["addr"])
-               for a, info in zip(mesh._agents, mesh._infos, strict=True)]
+    mesh.check_attached()
+    targets = [HostTarget(a["addr"], mesh.mesh_key, info.get("host") or a.get("host") or a["addr"])
+               for a, info in mesh.agents_and_infos()]
     return targets, list(mesh.proc_meshes.values())
 
 

@@ -25,6 +25,7 @@ import threading
 import time
 
 from .. import config
+from ..core.messages import Ev
 from .logs import log_dir, log_path, search
 from .sampler import ProcSampler
 
@@ -63,7 +64,7 @@ class AgentTelemetry:
 
     def proc_ready(self, p) -> None:
         if self.interval <= 0:
-            self.agent.send(p.ident, ("ev", "tel_enable", False))
+            self.agent.send(p.ident, Ev.make("tel_enable") + (False,))
         event = "respawned" if p.key in self.respawning else "spawned"
         self.respawning.discard(p.key)
         self._add("proc_events", (time.time(), self.agent.host, p.mesh_name, p.rank, p.pid, event, p.key), p.mesh_id)
@@ -95,7 +96,7 @@ class AgentTelemetry:
         alive = [p for p in self.agent.procs.values() if p.state == "alive" and p.pid]
         self._start_sample([(p.mesh_name, p.rank, p.pid) for p in alive], {p.pid: p.mesh_id for p in alive})
         for p in alive:   # the procs send their call records back as a tel_calls op
-            self.agent.send(p.ident, ("ev", "tel_pull"))
+            self.agent.send(p.ident, Ev.make("tel_pull"))
         self._expire(time.time() - config.TELEMETRY_HISTORY_S.get())
 
     def _start_sample(self, procs: list, mesh_ids: dict) -> None:
@@ -170,7 +171,7 @@ class AgentTelemetry:
         self.next_sample = 0.0
         for p in self.agent.procs.values():   # procs record calls only while someone collects them
             if p.state == "alive" and p.ident is not None:
-                self.agent.send(p.ident, ("ev", "tel_enable", self.interval > 0))
+                self.agent.send(p.ident, Ev.make("tel_enable") + (self.interval > 0,))
         self.agent.reply(ident, req, True, None)
 
     def op_tel_calls(self, ident, req, calls: list, cells: list, key: str = "", status: dict | None = None) -> None:

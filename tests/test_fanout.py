@@ -36,6 +36,10 @@ class Member(Actor):
         return torch.ones(n) * current_rank().rank
 
     @endpoint
+    def total(self, t) -> float:
+        return float(t.sum())
+
+    @endpoint
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return current_rank().rank
@@ -91,6 +95,8 @@ def test_call_one_and_a_small_slice_keep_the_direct_hop(members, monkeypatch):
 def test_fanned_replies_carry_tensors_and_every_rank_output_arrives_before_the_reply(members, capfd):
     got = members.ones.call(1000).get(30).values()
     assert [float(t[0]) for t in got] == [float(r) for r in range(8)] and got[5].shape == (1000,)
+    big = torch.ones(600_000)   # 2.4 MB: a same-host tensor handle, pulled by 8 receivers
+    assert members.total.call(big).get(30).values() == [600_000.0] * 8
     capfd.readouterr()
     members.say.call(7).get(30)
     out = capfd.readouterr().out   # read at once: the lines were in before the call returned
@@ -103,14 +109,14 @@ def test_a_proc_killed_in_a_fanned_call_fails_its_member_at_once_and_the_others_
     try:
         m = pm.spawn("m", Member)
         pids = m.pid.call().get(30).values()
-        fut = m.nap.call(2.0)
+        fut = m.nap.call(5.0)   # the others answer 4.7 s after the kill: "at once" is well before
         pending = runtime().pending_of(fut)
         time.sleep(0.3)
         t0 = time.monotonic()
         os.kill(pids[4], signal.SIGKILL)
         with pytest.raises(SupervisionError, match="rank 4"):
             fut.get(10)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3.0   # the 1 s bound, with room for a loaded 2-core machine
         deadline = time.monotonic() + 15   # the other naps end: their batched replies are kept
         while sum(pending.answered) < 6 and time.monotonic() < deadline:
             time.sleep(0.05)

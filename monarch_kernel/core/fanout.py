@@ -63,16 +63,18 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
         for agent in list(groups):
             if len(groups[agent]) < fan_min or agent not in _routes:
                 direct.extend(groups.pop(agent))
-    dests = [r.work for r in refs]
     inner = None
     if groups:
         # Pickled once; each agent gets it inside its envelope (the header in the MAC'd part,
         # tensors out of band) and signs it for each of its procs (replays stay per socket).
         fanned = (*msg[:reply_at], FAN_PREFIX + msg[reply_at], *msg[reply_at + 1:])
-        local = len(dests) if wire.LARGE_TENSOR_HOOK is not None and all(map(is_local, dests)) else 0
+        # Same-host tensor handles need every receiver here; one proc a host tells (an
+        # agent's procs share its host). ``local``: how many receivers will pull them.
+        local = (sum(map(len, groups.values())) if wire.LARGE_TENSOR_HOOK is not None
+                 and all(is_local(g[0].work) for g in groups.values()) else 0)
         inner = wire.dumps(fanned, local)
         bufs = [pickle.PickleBuffer(b) for b in inner[1:]]
-    frames = rt.pack(key, msg, dests) if direct else None
+    frames = rt.pack(key, msg, [r.work for r in direct]) if direct else None
     if inner is not None:
         for agent, members in groups.items():
             env = ("fan", [r.key for r in members], rt.contact, call_id, inner[0], bufs)

@@ -436,7 +436,8 @@ class ActorMesh(_Sliceable, Generic[T]):
             raise AttributeError(name)
         st = self.__dict__.get("_state") or object.__getattribute__(self, "_state")
         if name in st.endpoints:
-            return Endpoint(self, name)
+            ep = self.__dict__[name] = Endpoint(self, name)   # later accesses skip __getattr__
+            return ep
         if name in st.methods:
             return NotAnEndpoint(self, name)
         eps = ", ".join(sorted(st.endpoints)) or "none"

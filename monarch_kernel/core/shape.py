@@ -104,7 +104,7 @@ class Point(Mapping):
 class MeshView:
     """Dims (labels, sizes) over a tuple of underlying ranks, row-major."""
 
-    __slots__ = ("labels", "sizes", "ranks")
+    __slots__ = ("labels", "sizes", "ranks", "_extent")
 
     def __init__(self, labels, sizes, ranks=None):
         self.labels = tuple(labels)
@@ -118,7 +118,11 @@ class MeshView:
 
     @property
     def extent(self) -> Extent:
-        return Extent(self.labels, self.sizes)
+        try:
+            return self._extent   # made once: every call of an endpoint asks for it
+        except AttributeError:
+            self._extent = e = Extent(self.labels, self.sizes)
+            return e
 
     def __len__(self):
         return len(self.ranks)

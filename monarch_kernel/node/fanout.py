@@ -38,6 +38,7 @@ from monarch_kernel.core.runtime import host_id, ipc_name
 log = logging.getLogger("monarch_kernel.agent")
 
 MAX_HELD = 4096   # messages held for one destination before a batch goes regardless
+MAX_CALLS = 8192  # calls still expecting replies here (a dead member's never comes)
 
 
 class _Held:
@@ -152,6 +153,9 @@ class FanRelay:
                 dest = contact[0]
                 self.contacts[dest] = contact
                 self.expected[(dest, call_id)] = self.expected.get((dest, call_id), 0) + sent
+                if len(self.expected) > MAX_CALLS:   # calls whose member died before replying
+                    for k in list(self.expected)[:MAX_CALLS // 2]:   # oldest first
+                        del self.expected[k]
 
     def _to_proc(self, ref) -> zmq.Socket:
         addr = ref.work_ipc or ref.work

@@ -349,8 +349,8 @@ def test_sigkill_of_the_host_agent_ends_its_procs_and_fails_waiting_calls():
             os.kill(agent_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        hm._forget()
-        hm._process.wait(10)
+        hm.forget()
+        hm.local_process.wait(10)
         from monarch_kernel.core.connection import connection_path
 
         connection_path("agent-kill-test").unlink(missing_ok=True)

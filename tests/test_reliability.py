@@ -107,7 +107,7 @@ def test_requests_to_a_killed_host_fail_at_once_naming_the_mesh_and_this_host_st
     c = pm.spawn("c", Counter)
     c.bump.call().get(30)
     os.kill(hm._agents[0]["pid"], signal.SIGKILL)
-    hm._process.wait(10)
+    hm.local_process.wait(10)
     time.sleep(1.2)   # the controller notices a dead local agent within about a heartbeat
     t0 = time.monotonic()
     with pytest.raises(SupervisionError) as call_err:

@@ -213,7 +213,7 @@ class HostMesh:
                 f.get(5)
             except Exception:
                 pass
-        self._forget()
+        self.forget()
 
     def shutdown(self) -> None:
         """Stop every proc and the agents themselves."""
@@ -228,7 +228,7 @@ class HostMesh:
                 pass
         for st in self._proc_meshes.values():
             self._mark_stopped(st, "the host mesh was shut down")
-        self._forget()
+        self.forget()
         if self._process is not None:
             try:
                 self._process.wait(5)
@@ -236,7 +236,9 @@ class HostMesh:
                 self._process.kill()
                 self._process.wait()
 
-    def _forget(self):
+    def forget(self) -> None:
+        """Let go of this handle without asking the agents anything (they are gone, or a
+        job owns them): no more heartbeats, and its name is free again."""
         self._detached = True
         rt = runtime()
         for a in self._agents:
@@ -273,6 +275,11 @@ class HostMesh:
     @property
     def detached(self) -> bool:
         return self._detached
+
+    @property
+    def local_process(self):
+        """The agent's process when this process started it (a Popen), else None."""
+        return self._process
     def register_actor_mesh(self, st: ProcMeshState, am: ActorMeshState, forget: bool = False) -> None:
         rt = runtime()
         for addr in st.agents():
@@ -393,6 +400,16 @@ _named: dict[str, HostMesh] = {}
 _lock = threading.Lock()
 
 
+def named_host_mesh(name: str) -> HostMesh | None:
+    """The host mesh this process knows by ``name`` (this_host(name), attach(name), a job's)."""
+    return _named.get(name)
+
+
+def remember_host_mesh(name: str, hm: HostMesh) -> None:
+    """Know ``hm`` by ``name`` from now on (a job's meshes, so attach(name) finds them)."""
+    _named[name] = hm
+
+
 def _gpu_count() -> int:
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
@@ -444,7 +461,7 @@ def _forget_gone(hm: HostMesh) -> None:
     for st in hm._proc_meshes.values():
         if not st.stopped:
             hm._mark_stopped(st, "its host agent is gone")
-    hm._forget()
+    hm.forget()
     if hm._process is not None:
         hm._process.poll()
 

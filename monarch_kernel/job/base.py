@@ -284,18 +284,18 @@ class JobTrait(ABC):
                 hm_name = f"{self.name}.{mesh}"
                 hm = HostMesh(agents, self._key, hm_name, local=self._local_dims and len(agents) == 1,
                               persistent=True)
-                hosts_mod._named[hm_name] = hm
+                hosts_mod.remember_host_mesh(hm_name, hm)
                 hosts[mesh] = hm
         except BaseException:
             for hm in hosts.values():
-                hm._forget()
+                hm.forget()
             raise
         self._hosts = hosts
         return JobState(hosts, self)
 
     def _forget_hosts(self) -> None:
         for hm in self._hosts.values():
-            hm._forget()
+            hm.forget()
         self._hosts = {}
 
     def _reset(self, path: Path | None) -> None:

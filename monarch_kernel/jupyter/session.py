@@ -109,11 +109,11 @@ class MeshSession:
                                  f"{', '.join(job.meshes)} (pick one with --mesh)")
         if self.host is not None and (self.name != name or (job is not None and job is not self.job)):
             self.disconnect()
-        stale = hosts_mod._named.get(name)
+        stale = hosts_mod.named_host_mesh(name)
         if stale is not None and not stale.detached and not host_alive(stale):
-            stale._forget()
+            stale.forget()
         if job is not None and self._prewarmed == name:
-            pre = hosts_mod._named.get(name)   # a local agent started ahead of time holds the name
+            pre = hosts_mod.named_host_mesh(name)   # a local agent started ahead of time holds the name
             if pre is not None and not pre.detached and not pre.proc_meshes:
                 pre.shutdown()
             self._prewarmed = None
@@ -126,7 +126,7 @@ class MeshSession:
                     set_lease(state[mesh], lease)
         else:
             hm = this_host(name, lease=lease)
-            if lease is not None or (self._prewarmed == name and hm._process is not None):
+            if lease is not None or (self._prewarmed == name and hm.local_process is not None):
                 set_lease(hm, lease if lease is not None else hosts_mod.DEFAULT_LEASE_S)
         if self._prewarmed == name:
             self._prewarmed = None   # it is the user's mesh now, kept on shutdown
@@ -197,7 +197,7 @@ class MeshSession:
             return name
         hm = self.host if self.name == name else None
         if hm is None or hm.detached:
-            hm = hosts_mod._named.get(name)
+            hm = hosts_mod.named_host_mesh(name)
         if hm is None or hm.detached:
             info = read_connection_file(name)   # MeshGoneError: no such mesh
             if not agent_alive(info):
@@ -221,7 +221,7 @@ class MeshSession:
         an agent that was only prewarmed and never got procs."""
         if self._prewarm is not None:
             self._prewarm.join(10)
-        pre = self._prewarmed and hosts_mod._named.get(self._prewarmed)
+        pre = self._prewarmed and hosts_mod.named_host_mesh(self._prewarmed)
         if pre and not pre.detached and not pre.proc_meshes and pre is not self.host:
             pre.shutdown()
         if self.job is not None:
@@ -242,7 +242,7 @@ def host_alive(hm: HostMesh | None) -> bool:
     """The host mesh's local agent still runs and its link is not declared lost."""
     if hm is None or hm.detached:
         return False
-    proc = getattr(hm, "_process", None)
+    proc = hm.local_process
     if proc is not None and proc.poll() is not None:   # our child: poll() also reaps it
         return False
     rt = runtime()

@@ -6,7 +6,7 @@ import threading
 
 from .context import proc_worker
 from .hosts import this_host
-from .mesh import ProcMesh, ProcMeshState
+from .mesh import ProcMesh, ProcMeshState, state_of
 from .runtime import ProcRef, runtime
 from .shape import MeshView
 
@@ -25,7 +25,7 @@ def this_proc() -> ProcMesh:
     w = proc_worker()
     if w is None:
         with _client_lock:
-            if _client_proc is None or _client_proc._state.stopped:
+            if _client_proc is None or state_of(_client_proc).stopped:
                 _client_proc = this_host().spawn_procs(per_host={}, name="client")
             return _client_proc
     rt = runtime()

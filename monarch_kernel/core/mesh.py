@@ -334,6 +334,18 @@ class ProcMesh(_Sliceable):
         return proc_mesh_html(self)
 
 
+
+def state_of(mesh):
+    """The shared state a ProcMesh or ActorMesh handle views (ProcMeshState /
+    ActorMeshState), for features that need it. A function, not an attribute: a name on
+    ActorMesh would shadow (and refuse) an endpoint of that name."""
+    return mesh._state
+
+
+def view_of(mesh) -> MeshView:
+    """Which ranks (and dims) of its state a ProcMesh or ActorMesh handle selects."""
+    return mesh._view
+
 install_proc_mesh_members(ProcMesh)   # what features registered before this module loaded
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import html
 
+from .mesh import state_of, view_of
 from .runtime import runtime
 
 
@@ -13,7 +14,7 @@ def _table(head: list[str], rows: list[list]) -> str:
 
 
 def proc_mesh_html(pm) -> str:
-    st, view = pm._state, pm._view
+    st, view = state_of(pm), view_of(pm)
     dead = runtime().dead
     rows = []
     for i, point in enumerate(view.points()):
@@ -27,7 +28,7 @@ def proc_mesh_html(pm) -> str:
 def actor_mesh_html(am) -> str:
     """What the actors are: their class, endpoints, ranks, and the procs and hosts they
     live on (``%mesh status`` has the per-proc detail)."""
-    st, view = am._state, am._view
+    st, view = state_of(am), view_of(am)
     ps = st.proc_state
     dead = runtime().dead
     refs = [ps.procs[r] for r in view.ranks]

@@ -39,6 +39,8 @@ import re
 import threading
 from typing import NamedTuple
 
+from monarch_kernel.core.mesh import state_of, view_of
+
 from .dap_worker import DapServer
 
 try:
@@ -244,7 +246,7 @@ def _listen_on(spec: str) -> RankTarget:
     from .registry import DebugError
 
     procs, _ = session().require()
-    view = procs._view
+    view = view_of(procs)
     try:
         one = parse_rank_spec(spec, view)
     except (ValueError, TypeError) as e:
@@ -252,13 +254,13 @@ def _listen_on(spec: str) -> RankTarget:
     if len(one.ranks) != 1:
         raise DebugError(f"dap takes one rank; {spec!r} names {len(one.ranks)}")
     rank = one.ranks[0]
-    ref = procs._state.procs[rank]
+    ref = state_of(procs).procs[rank]
     rt = runtime()
     if ref.key in rt.dead:
         raise DebugError(f"rank {rank} is dead ({rt.dead[ref.key]}); `mesh.respawn()` replaces it, "
                          "or pick another rank")
     name = f"__dap_{rank}__"
-    one_proc = ProcMesh(procs._state, one)
+    one_proc = ProcMesh(state_of(procs), one)
     try:
         server = one_proc.actor_mesh(name)
     except KeyError:
@@ -269,7 +271,7 @@ def _listen_on(spec: str) -> RankTarget:
     except TimeoutError:
         raise DebugError(f"rank {rank} is busy (a cell or endpoint runs on it); the debugger attaches "
                          "between cells: wait for it, or interrupt it") from None
-    return RankTarget(rank, host, int(port), ref.pid, ref.key, ref.ctrl, procs._state.key)
+    return RankTarget(rank, host, int(port), ref.pid, ref.key, ref.ctrl, state_of(procs).key)
 
 
 def _host_of(address: str) -> str:

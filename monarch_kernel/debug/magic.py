@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from monarch_kernel.core.mesh import view_of
 from monarch_kernel.jupyter import on_mesh
 from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
 
@@ -45,7 +46,7 @@ def _view():
     from monarch_kernel.jupyter.session import session
 
     s = session()
-    return s.procs._view if s.procs is not None else None
+    return view_of(s.procs) if s.procs is not None else None
 
 
 @mesh_command(parser)

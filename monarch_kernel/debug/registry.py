@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from monarch_kernel.core.mesh import state_of
+
 from ..core.messages import Interrupt
 from ..core.runtime import Runtime, runtime
 from ..core.shape import MeshView, parse_rank_spec
@@ -189,7 +191,7 @@ class DebugRegistry:
                 self.rt.send(found[0].ctrl, found[1], ("dbg_in", "continue"))
 
     def set_post_mortem(self, procs, on: bool) -> None:
-        st = procs._state
+        st = state_of(procs)
         for ref in procs.procs():
             if ref.key not in self.rt.dead:
                 self.rt.send(ref.ctrl, st.key, ("dbg_pm", on))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from monarch_kernel.core.mesh import state_of
+
 SHOW_AFTER_S = 1.0    # a cell quicker than this shows only the summary
 EVERY_S = 0.5
 
@@ -63,7 +65,7 @@ class CellProgress:
                 answered = [(True, v) for v in err.results.values()]
         else:
             answered = rt.answered_so_far(fut)
-        procs = self.run.procs._state.procs
+        procs = state_of(self.run.procs).procs
         dead = {r for r in self.run.ranks if procs[r].key in rt.dead}
         if answered is None:   # a proc died and took the call's results with it
             return n, 0, len(dead)

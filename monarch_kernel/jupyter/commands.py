@@ -11,7 +11,7 @@ import time
 from IPython.core.error import UsageError
 
 from ..core.connection import list_meshes
-from ..core.mesh import ProcMesh
+from ..core.mesh import ProcMesh, state_of, view_of
 from .display import Table, rank_ranges
 from .magics import mesh_command, mesh_parser
 from .on_mesh import select
@@ -203,7 +203,7 @@ def _status_table(ctx, procs) -> Table:
         u = usage.get(ref.key, {})
         actors = ", ".join(a for a in st.get("actors", []) if a != CELL_ACTOR)
         raw = st.get("state", "?")
-        if procs._state.stopped:
+        if state_of(procs).stopped:
             state, doing = "stopped", ""
         elif ref.rank in dead or raw == "dead":
             state, doing = "dead", ""
@@ -324,7 +324,7 @@ def push(ctx, args):
         raise UsageError(f"%mesh push: no variable {', '.join(map(repr, missing))} in the notebook")
     target = select(cells, args.ranks, args.slice)
     ctx.call_cells(target, "push", ({n: ns[n] for n in args.names},), what="the push")
-    print(f"pushed {', '.join(args.names)} to {rank_ranges(target._view.ranks)}")
+    print(f"pushed {', '.join(args.names)} to {rank_ranges(view_of(target).ranks)}")
 
 
 PULL = mesh_parser("pull", "bring a variable back from each selected rank, as a ValueMesh",

@@ -32,6 +32,8 @@ import IPython
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from monarch_kernel.core.mesh import view_of
+
 from ..core.errors import ActorError, MeshGoneError, SupervisionError
 from .display import CellInterrupted, cell_error
 from .on_mesh import _Run, cell_run_args, outcome, output_options, select, supervision_message, values_after_death
@@ -225,7 +227,7 @@ class MeshMagics(Magics):
             options = output_options(cells, args)
         except (ValueError, TypeError) as e:
             raise UsageError(f"%%on_mesh: {e}\n{ON_MESH.format_usage().rstrip()}")
-        cap = self.router.begin(target._view.ranks, live=args.stream, options=options)
+        cap = self.router.begin(view_of(target).ranks, live=args.stream, options=options)
         try:
             run = _Run(target, "run", run_args, args.timeout, cap)
         except SupervisionError as e:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from monarch_kernel import config
 
 from ..core.errors import ActorError, SupervisionError
-from ..core.mesh import ActorMesh, ProcMesh
+from ..core.mesh import ActorMesh, ProcMesh, state_of, view_of
 from ..core.shape import MeshView, parse_rank_spec
 from ..node.cells import CellFailure
 from .cell_progress import CellProgress
@@ -46,7 +46,7 @@ _cell_counter = itertools.count(1)
 def select(cells: ActorMesh, ranks: str | None, slice_: str | None) -> ActorMesh:
     """Apply ``--slice`` (named dims) then ``--ranks`` (the rank grammar) to the mesh.
     A bad spec raises ValueError naming the valid range."""
-    view: MeshView = cells._view
+    view: MeshView = view_of(cells)
     if slice_:
         if "=" not in slice_:
             raise ValueError(f"--slice {slice_!r}: name a dimension, e.g. --slice gpus=0:2 "
@@ -54,13 +54,13 @@ def select(cells: ActorMesh, ranks: str | None, slice_: str | None) -> ActorMesh
         view = parse_rank_spec(slice_, view)
     if ranks:
         view = parse_rank_spec(ranks, view)
-    return ActorMesh(cells._state, view)
+    return ActorMesh(state_of(cells), view)
 
 
 def output_options(cells: ActorMesh, args) -> OutputOptions:
     """``--group-outputs``, ``--show-ranks``, ``--quiet-ranks`` (specs in the mesh's ranks)."""
     def ranks(spec):
-        return parse_rank_spec(spec, cells._view).ranks if spec else None
+        return parse_rank_spec(spec, view_of(cells)).ranks if spec else None
 
     return OutputOptions(args.group_outputs, ranks(args.show_ranks), ranks(args.quiet_ranks),
                          args.show_ranks or "", args.quiet_ranks or "")
@@ -88,9 +88,9 @@ class _Run:
 
     def __init__(self, target: ActorMesh, method: str, args: tuple, timeout: float | None,
                  capture=None, what: str = "the cell"):
-        self.procs = ProcMesh(target._state.proc_state, target._view)   # to interrupt
+        self.procs = ProcMesh(state_of(target).proc_state, view_of(target))   # to interrupt
         self.target = target
-        self.ranks = list(target._view.ranks)
+        self.ranks = list(view_of(target).ranks)
         self.timeout = timeout
         self.capture = capture
         self.what = what
@@ -199,7 +199,7 @@ class _Run:
         # Only the ranks that have not answered are stuck; the others' values are kept.
         answered = rt.answered_so_far(self.future) or [(False, None)] * len(self.ranks)
         busy = [r for r, (a, _) in zip(self.ranks, answered) if not a
-                and self.procs._state.procs[r].key not in rt.dead]
+                and state_of(self.procs).procs[r].key not in rt.dead]
         done = [r for r, (a, _) in zip(self.ranks, answered) if a]
         values = [v for _, v in answered]
         groups = [(busy, "KeyboardInterrupt", f"{self.what} {self.reason}, but did not stop within "
@@ -211,7 +211,7 @@ class _Run:
         ok = [r for r in done if not isinstance(values[self.ranks.index(r)], (CellFailure, ActorError))]
         note = ("those ranks stay busy; `%mesh status` shows them, `%mesh stop` ends the mesh"
                 + (f"; the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""))
-        result = CellValues(self.target._view.extent, values, self.ranks)
+        result = CellValues(view_of(self.target).extent, values, self.ranks)
         raise cell_error(groups, result, note=note, base=CellInterrupted)
 
 
@@ -247,7 +247,7 @@ def _hold_s() -> float:
 
 def outcome(run: _Run, values) -> CellValues:
     """The ValueMesh of a finished run; raises the grouped error if any rank failed."""
-    extent = run.target._view.extent
+    extent = view_of(run.target).extent
     result = CellValues(extent, values, run.ranks)
     groups: dict[tuple[str, str], list] = {}
     for r, v in zip(run.ranks, values, strict=False):

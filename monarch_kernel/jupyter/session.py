@@ -19,6 +19,7 @@ import threading
 import time
 
 from monarch_kernel import config
+from monarch_kernel.core.mesh import state_of
 
 from ..core import hosts as hosts_mod
 from ..core.connection import agent_alive, read_connection_file
@@ -139,11 +140,11 @@ class MeshSession:
             spawned = True
         else:
             want = per_host or ({"gpus": procs} if procs else None)
-            have_dims = dict(zip(pm._state.labels, pm._state.sizes, strict=False))
+            have_dims = dict(zip(state_of(pm).labels, state_of(pm).sizes, strict=False))
             if "hosts" in have_dims and "hosts" not in (want or {}):
                 have_dims.pop("hosts")   # a multi-host mesh: --procs counts procs per host
             if want and have_dims != want:
-                have = ", ".join(f"{k}={v}" for k, v in zip(pm._state.labels, pm._state.sizes, strict=False))
+                have = ", ".join(f"{k}={v}" for k, v in zip(state_of(pm).labels, state_of(pm).sizes, strict=False))
                 raise ValueError(f"mesh {name!r} already runs with {have}; `%mesh stop {name}` first to "
                                  "start it with another size (its state will be lost)")
         self.procs = pm
@@ -164,7 +165,7 @@ class MeshSession:
             raise NotConnected("no mesh is connected: run `%mesh connect` first (a local mesh, one proc "
                                "per GPU or CPU core; `%mesh connect --procs 4` for 4), or `%mesh connect "
                                "NAME` to attach to a running one (`%mesh list` shows them)")
-        if self.procs._state.stopped:
+        if state_of(self.procs).stopped:
             raise NotConnected(f"mesh {self.name!r} was stopped: `%mesh connect {self.name}` starts it again")
         if not host_alive(self.host):
             name = self.name

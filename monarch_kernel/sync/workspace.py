@@ -19,6 +19,7 @@ from typing import Callable
 
 from monarch_kernel import config
 from monarch_kernel.core.errors import MeshGoneError, MonarchError
+from monarch_kernel.core.mesh import state_of, view_of
 
 from .manifest import Problem, build_manifest, human
 from .reload import ACTOR_NAME, SyncActor
@@ -198,7 +199,7 @@ def _targets(mesh) -> tuple[list[HostTarget], list]:
     from monarch_kernel.core.mesh import ProcMesh
 
     if isinstance(mesh, ProcMesh):
-        st = mesh._state
+        st = state_of(mesh)
         if st.stopped:
             raise MeshGoneError(f"proc mesh '{st.name}' was stopped; spawn a new one to sync to")
         hm = st.host_mesh
@@ -278,14 +279,14 @@ def _apply(pm, by_agent: dict, reload: bool):
             return f"not set up: dead ranks {pm.dead_ranks()}; respawn() them, then sync again"
         am = pm.spawn(ACTOR_NAME, SyncActor)
     dead = set(pm.dead_ranks())
-    ranks = [r for r in am._view.ranks if r not in dead]
+    ranks = [r for r in view_of(am).ranks if r not in dead]
     try:
         if not dead:
             values = am.apply.call(by_agent, reload).get(RELOAD_TIMEOUT_S).values()
             return dict(zip(ranks, values, strict=True))
         out = {}
         for r in ranks:
-            one = type(am)(am._state, MeshView((), (), (r,)))
+            one = type(am)(state_of(am), MeshView((), (), (r,)))
             out[r] = one.apply.call_one(by_agent, reload).get(RELOAD_TIMEOUT_S)
         return out
     except Exception as e:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime
 import time
 
+from monarch_kernel.core.mesh import view_of
+
 from ..core.shape import parse_rank_spec
 from ..jupyter.magics import mesh_command, mesh_parser
 
@@ -35,7 +37,7 @@ def logs(ctx, args):
     procs, _ = ctx.require()
     if args.tail is not None and args.tail < 0:
         raise ValueError(f"--tail must be 0 or more, got {args.tail}")
-    ranks = set(parse_rank_spec(args.ranks, procs._view).ranks) if args.ranks else None
+    ranks = set(parse_rank_spec(args.ranks, view_of(procs)).ranks) if args.ranks else None
     tel = procs.telemetry
     tail = DEFAULT_TAIL if args.tail is None else args.tail
     ans = tel.logs(ranks, args.grep, tail)

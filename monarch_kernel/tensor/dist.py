@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 
 from ..core.errors import MeshGoneError
-from ..core.mesh import ProcMesh, ProcMeshState
+from ..core.mesh import ProcMesh, ProcMeshState, state_of, view_of
 from ..core.runtime import runtime
 
 WORKER_ACTOR = "__torch__"
@@ -55,7 +55,7 @@ _LOCK = threading.Lock()
 
 def mesh_group(procs: ProcMesh) -> MeshGroup:
     """The group record of ``procs``'s mesh, spawning the per-proc TensorWorker once."""
-    st = procs._state
+    st = state_of(procs)
     if st.stopped:
         raise MeshGoneError(f"proc mesh '{st.name}' was stopped; spawn a new one")
     with _LOCK:
@@ -78,7 +78,7 @@ def mesh_group(procs: ProcMesh) -> MeshGroup:
 
 def torchrun_env(procs: ProcMesh, master_addr: str, master_port: int) -> list[dict]:
     """Per rank, the variables torchrun sets (hosts = the proc mesh's agents, in order)."""
-    refs = procs._state.procs
+    refs = state_of(procs).procs
     hosts: dict[str, list[int]] = {}
     for ref in refs:
         hosts.setdefault(ref.agent, []).append(ref.rank)
@@ -93,15 +93,15 @@ def torchrun_env(procs: ProcMesh, master_addr: str, master_port: int) -> list[di
             "LOCAL_RANK": str(on_host.index(ref.rank)), "LOCAL_WORLD_SIZE": str(len(on_host)),
             "GROUP_RANK": str(group_rank), "GROUP_WORLD_SIZE": str(len(hosts)),
             "ROLE_RANK": str(ref.rank), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default",
-            "TORCHELASTIC_RUN_ID": procs._state.id,
+            "TORCHELASTIC_RUN_ID": state_of(procs).id,
         })
     return envs
 
 
 def _require_whole(procs: ProcMesh, what: str) -> None:
-    if len(procs._view) != len(procs._state.procs):
-        raise ValueError(f"{what} spans the whole proc mesh '{procs.name}' ({len(procs._state.procs)} procs), "
-                         f"not a slice of {len(procs._view)}: call it on the mesh itself")
+    if len(view_of(procs)) != len(state_of(procs).procs):
+        raise ValueError(f"{what} spans the whole proc mesh '{procs.name}' ({len(state_of(procs).procs)} procs), "
+                         f"not a slice of {len(view_of(procs))}: call it on the mesh itself")
 
 
 def setup_torch_elastic_env(procs: ProcMesh, master_addr: str | None = None,
@@ -124,7 +124,7 @@ def _envs(g: MeshGroup, procs, master_addr, master_port) -> list[dict]:
 
 
 def _first(procs: ProcMesh) -> dict:
-    return {label: 0 for label in procs._view.labels}
+    return {label: 0 for label in view_of(procs).labels}
 
 
 def init_process_group(procs: ProcMesh, backend: str | None = None,
@@ -143,7 +143,7 @@ def init_process_group(procs: ProcMesh, backend: str | None = None,
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU), 'nccl' (CUDA), or None to choose")
     envs = _envs(g, procs, None, None)
     g.generation += 1
-    st = procs._state
+    st = state_of(procs)
     g.workers.init_group.call(envs, backend, timeout_s, st.labels, st.sizes, g.generation).get(timeout_s + 30)
     g.backend, g.timeout_s, g.keys, g.broken = backend, timeout_s, tuple(r.key for r in st.procs), None
     if g.engine is not None:
@@ -152,7 +152,7 @@ def init_process_group(procs: ProcMesh, backend: str | None = None,
 
 
 def _default_backend(g: MeshGroup) -> str:
-    cuda = g.workers.slice(**{k: 0 for k in g.workers._view.labels}).cuda_count.call_one().get(30)
+    cuda = g.workers.slice(**{k: 0 for k in view_of(g.workers).labels}).cuda_count.call_one().get(30)
     return "nccl" if cuda else "gloo"
 
 
@@ -168,7 +168,7 @@ def ensure_group(procs: ProcMesh) -> MeshGroup:
     """The group of ``procs``'s mesh, formed (with defaults) on first use."""
     g = mesh_group(procs)
     if not g.formed:
-        init_process_group(ProcMesh(procs._state))
+        init_process_group(ProcMesh(state_of(procs)))
     return g
 
 
@@ -207,13 +207,13 @@ def _on_death(key: str, err) -> None:
 
 def _on_respawn(procs: ProcMesh) -> None:
     """After ``respawn()``: form a new group for the whole mesh, and say so."""
-    g = _GROUPS.get(procs._state.id)
+    g = _GROUPS.get(state_of(procs).id)
     if g is None or not g.formed:
         return
     replaced = g.stale_ranks()
     if not replaced:
         return
-    init_process_group(ProcMesh(procs._state), g.backend, g.timeout_s)
+    init_process_group(ProcMesh(state_of(procs)), g.backend, g.timeout_s)
     print(f"torch.distributed: ranks {replaced} were respawned, so mesh '{procs.name}' has a new process group "
           f"(generation {g.generation}, {g.backend}) over all {len(g.keys)} ranks. Collectives in flight when "
           "they died failed; distributed tensors made before are gone (make them again)")

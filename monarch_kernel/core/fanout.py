@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 
+from .. import config
 from . import wire
 from .errors import ActorError
 from .transport import is_local
@@ -55,7 +56,7 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     groups: dict[str, list] = {}
     direct = refs
     call_id = msg[reply_at + 1]
-    fan_min = int(os.environ.get("MONARCH_KERNEL_FANOUT_MIN") or 32) if _routes else 0
+    fan_min = config.FANOUT_MIN.get() if _routes else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
         for r in refs:

@@ -21,16 +21,15 @@ import logging
 import os
 import time
 
-# Read when used (declared in monarch_kernel/config.py; core/ reads the environment itself).
-_STARVED_ENV = "MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S"
-
-
-def starved_host_timeout_s() -> float:
-    return float(os.environ.get(_STARVED_ENV) or 30.0)
+from .. import config
 
 log = logging.getLogger("monarch_kernel")
 
 BUSY_FRACTION = 0.5   # of wall time spent running or runnable: the agent wants the CPU
+
+
+def starved_host_timeout_s() -> float:
+    return config.STARVED_HOST_TIMEOUT_S.get()
 
 
 def _state(pid: int) -> str:

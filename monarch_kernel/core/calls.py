@@ -29,7 +29,7 @@ class PendingCall:
     def __init__(self, keys: list[str], extent, mode: str, what: str):
         self.future = Future(what)
         self.keys = keys
-        self.index = {k: i for i, k in enumerate(keys)}
+        self.index = dict(zip(keys, range(len(keys))))
         self.results = [None] * len(keys)
         self.answered = bytearray(len(keys))   # 1 where that member replied (a value may be None)
         self.failed: list[int] = []
@@ -68,6 +68,44 @@ class PendingCall:
         if self.remaining:
             return False
         self._finish()
+        return True
+
+    def deliver_many(self, replies: list) -> bool:
+        """Record a batch of replies ``(call_id, key, ok, value)`` of this call (one host's
+        fan-in batch): the same outcome as ``deliver`` of each in order, with one pass and
+        the future resolved (its waiter woken) once. True once every member has answered."""
+        index, answered, results, queue = self.index, self.answered, self.results, self.queue
+        done = self.future.done()
+        n = 0
+        for _, key, ok, value in replies:
+            i = index.get(key)
+            if i is None or answered[i]:
+                continue
+            results[i] = value
+            answered[i] = 1
+            n += 1
+            if ok:
+                if queue is not None and not done:
+                    queue.put((True, value))
+                continue
+            self.failed.append(i)
+            if done:
+                continue
+            if isinstance(value, SupervisionError):
+                self.remaining -= n
+                n = 0
+                if queue is not None:
+                    queue.put((False, value))
+                    queue.put(None)
+                self.future.set_exception(value)
+                done = True
+            elif queue is not None:
+                queue.put((False, value))
+        self.remaining -= n
+        if self.remaining > 0:
+            return False
+        if not self.future.done():   # (a death on another thread may have failed it meanwhile)
+            self._finish()
         return True
 
     def _finish(self):
@@ -110,9 +148,7 @@ class Calls:
         p = PendingCall(keys, extent, mode, what)
         p.future.set_waiter(self._waiter)
         self._pending[call_id] = p
-        out = self.outstanding
-        for k in keys:
-            out[k] += 1
+        self.outstanding.update(keys)   # +1 for each member (Counter counts in C)
         return call_id, p
 
     def pending_count(self) -> int:
@@ -146,6 +182,25 @@ class Calls:
         self.outstanding[key] -= 1
         if p.deliver(key, ok, value):
             self._pending.pop(call_id, None)
+
+    def on_results(self, replies: list) -> None:
+        """Replies ``(call_id, key, ok, value)`` of one fan-in batch, in arrival order: one
+        lookup and one delivery per call rather than per member (core/fanout.py)."""
+        pending, out = self._pending, self.outstanding
+        start, n = 0, len(replies)
+        while start < n:
+            call_id = replies[start][0]
+            end = start + 1
+            while end < n and replies[end][0] == call_id:
+                end += 1
+            p = pending.get(call_id)
+            if p is not None:
+                run = replies[start:end] if start or end < n else replies
+                for r in run:
+                    out[r[1]] -= 1
+                if p.deliver_many(run):
+                    pending.pop(call_id, None)
+            start = end
 
     def whats_pending(self) -> dict[int, str]:
         """id(call) -> what, of every pending call (to report what a lost host failed)."""

@@ -8,6 +8,7 @@ anything is sent.
 from __future__ import annotations
 
 import threading
+from operator import attrgetter
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from . import fanout, wire
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .mesh import ActorMesh, ActorMeshState
 
 SPAWN_TIMEOUT_S = 120.0
+_KEY = attrgetter("key")
 T = TypeVar("T")
 
 def _wait_initialized(am: ActorMeshState) -> None:
@@ -61,7 +63,7 @@ class Endpoint(Generic[T]):
             _consume_unhandled(rt, err)
             raise err
         refs = ps.check(ranks)
-        keys = [r.key for r in refs]
+        keys = list(map(_KEY, refs))
         what = f"{am.name}.{self._name}"
         if reply:
             call_id, pending = rt.new_call(keys, extent, mode, what)

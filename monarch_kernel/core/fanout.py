@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from itertools import groupby
+from operator import attrgetter
 
 from .. import config
 from . import wire
@@ -33,6 +35,7 @@ FAN_PREFIX = "fan+"   # marks a fanned call's reply_to (node/fanout.py reads it)
 
 _routes: dict[str, str] = {}   # agent address -> its fan inbox (tcp; ipc alias in the runtime)
 _pid = [0]
+_AGENT, _KEY = attrgetter("agent"), attrgetter("key")   # per-member work in C
 
 
 def learn_agent(rt, agent_addr: str, info: dict) -> None:
@@ -59,8 +62,12 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     fan_min = config.FANOUT_MIN.get() if _routes else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
-        for r in refs:
-            groups.setdefault(r.agent, []).append(r)
+        for agent, run in groupby(refs, _AGENT):   # ranks of a host are usually adjacent
+            have = groups.get(agent)
+            if have is None:
+                groups[agent] = list(run)
+            else:
+                have.extend(run)
         for agent in list(groups):
             if len(groups[agent]) < fan_min or agent not in _routes:
                 direct.extend(groups.pop(agent))
@@ -78,7 +85,7 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     frames = rt.pack(key, msg, [r.work for r in direct]) if direct else None
     if inner is not None:
         for agent, members in groups.items():
-            env = ("fan", [r.key for r in members], rt.contact, call_id, inner[0], bufs)
+            env = ("fan", list(map(_KEY, members)), rt.contact, call_id, inner[0], bufs)
             rt.send_frames(_routes[agent], rt.pack(key, env))
     for r in direct:
         rt.send_frames(r.work, frames)
@@ -89,32 +96,49 @@ _NONE = wire.dumps(None)[0]
 
 def _on_batch(rt, msg) -> None:
     """One host's replies and output, in the order its procs sent them (the agent checked
-    each proc's signature; this batch's was checked on arrival): only values are unpickled."""
+    each proc's signature; this batch's was checked on arrival): only values are unpickled.
+    Replies are handed to the pending calls in runs (``Calls.on_results``: one lookup and
+    one wake per call, not per member); a run ends before any other item, so output still
+    reaches the user before the reply that follows it."""
     _, items, buffers = msg
-    on_result, handlers = rt.handlers["r"], rt.handlers
+    handlers, on_results = rt.handlers, rt.calls.on_results
+    none, loads = _NONE, wire.loads
+    replies: list = []
     i = 0
     for item in items:
         kind = item[0]
         if kind == "r":
             _, call_id, key, ok, vheader, n = item
-            if vheader == _NONE:
-                value = None
-            else:
-                try:
-                    value = wire.loads(vheader, buffers[i:i + n])
-                except Exception as e:
-                    ok, value = False, ActorError(
-                        f"the result could not be unpickled here: {e!r}. Return plain data, or make its "
-                        "module importable on this side", exc_type=type(e).__name__)
-            i += n
-            item = ("r", call_id, key, ok, value)
-            h = on_result
-        else:
-            h = handlers.get(kind)
-            if h is None:
-                log.warning("dropped a batched message of unknown kind %r", kind)
+            if vheader == none:
+                i += n
+                replies.append((call_id, key, ok, None))
                 continue
+            try:
+                value = loads(vheader, buffers[i:i + n])
+            except Exception as e:
+                ok, value = False, ActorError(
+                    f"the result could not be unpickled here: {e!r}. Return plain data, or make its "
+                    "module importable on this side", exc_type=type(e).__name__)
+            i += n
+            replies.append((call_id, key, ok, value))
+            continue
+        if replies:
+            _deliver(on_results, replies)
+            replies = []
+        h = handlers.get(kind)
+        if h is None:
+            log.warning("dropped a batched message of unknown kind %r", kind)
+            continue
         try:
             h(item)
         except Exception:
             log.exception("handler for %r failed", kind)
+    if replies:
+        _deliver(on_results, replies)
+
+
+def _deliver(on_results, replies: list) -> None:
+    try:
+        on_results(replies)
+    except Exception:
+        log.exception("handler for 'r' failed")

@@ -74,6 +74,8 @@ class Inbox:
         self._wanted = 0                     # user threads that want to read it
         self._want_lock = threading.Lock()
         self._released_at = 0.0
+        self._wanted_since = 0.0             # when _wanted last went from 0 to 1
+        self._long_poll = False              # the I/O thread sleeps past 2 ms: kick it on release
         # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
         self._nested_work: tuple | None = None
         self._nested_thread: int | None = None
@@ -140,7 +142,8 @@ class Inbox:
             try:
                 if have:
                     self._holder = me
-                events = (poller_in if have else poller).poll(100 if have or not self._wanted_recently() else 2)
+                events = (poller_in if have else poller).poll(self._poll_ms(have, next_tick))
+                self._long_poll = False
             except zmq.ZMQError:
                 if have:
                     self._holder = None
@@ -187,6 +190,37 @@ class Inbox:
     def _wanted_recently(self) -> bool:
         return bool(self._wanted) or time.monotonic() - self._released_at <= 0.001
 
+    def _poll_ms(self, have: bool, next_tick: float) -> int:
+        """How long the I/O thread may sleep in poll. While a user thread has read the inbox
+        for over 10 ms (a call to hundreds of procs), it sleeps up to the next heartbeat tick
+        (at most 50 ms) instead of waking every 2 ms to see whether the inbox came back: the
+        waiter kicks it when it lets go (``_unwant``). Shorter waits keep the 2 ms polls, so
+        back-to-back small calls cost no kick."""
+        if have or not self._wanted_recently():
+            return 100
+        now = time.monotonic()
+        if not self._wanted or now - self._wanted_since < 0.01:
+            return 2
+        self._long_poll = True
+        if not self._wanted:   # let go meanwhile (it saw no long poll to kick): stay short
+            self._long_poll = False
+            return 2
+        return max(2, min(50, int((next_tick - now) * 1000)))
+
+    def _want(self) -> None:
+        with self._want_lock:
+            if not self._wanted:
+                self._wanted_since = time.monotonic()
+            self._wanted += 1
+
+    def _unwant(self) -> None:
+        with self._want_lock:
+            self._wanted -= 1
+            last = not self._wanted
+        self._released_at = time.monotonic()
+        if last and self._long_poll:
+            os.write(self._wake_w, b"i")   # the I/O thread takes the inbox back now
+
     def wake_reader(self) -> None:
         """A user thread blocked on the inbox in wait_for must re-check its future."""
         holder = self._holder
@@ -208,8 +242,7 @@ class Inbox:
             return  # re-entrant (a handler waiting): fall back to the plain wait
         deadline = None if timeout is None else time.monotonic() + timeout
         done = fut.done
-        with self._want_lock:
-            self._wanted += 1
+        self._want()
         try:
             while not done():
                 left = None if deadline is None else deadline - time.monotonic()
@@ -233,9 +266,7 @@ class Inbox:
                 elif holder is not None:
                     fut.wait_briefly(0.01 if left is None else min(0.01, left))
         finally:
-            with self._want_lock:
-                self._wanted -= 1
-            self._released_at = time.monotonic()
+            self._unwant()
 
     def _pump(self, fut: Future, deadline, timeout) -> None:
         inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
@@ -302,21 +333,17 @@ class Inbox:
     def _run_wait_hook(self, fn: Callable[[], None]) -> None:
         """Run the wait hook with the inbox left to the I/O thread."""
         self._wait_hook_due = False
-        with self._want_lock:
-            self._wanted -= 1
-        self._released_at = time.monotonic()
+        self._unwant()
         try:
             fn()
         finally:
-            with self._want_lock:
-                self._wanted += 1
+            self._want()
 
     # ----------------------------------------------------------------- binding and closing
     def bind_also(self, host: str) -> tuple[str, str]:
         """Also accept on ``tcp://host:*``; returns (address, CURVE public key or ""). The
         socket is taken over as ``wait_for`` does, so no other thread touches it meanwhile."""
-        with self._want_lock:
-            self._wanted += 1
+        self._want()
         try:
             while not self._lock.acquire(timeout=0.002):
                 if self._holder == self._thread.ident:
@@ -329,8 +356,7 @@ class Inbox:
             finally:
                 self._lock.release()
         finally:
-            with self._want_lock:
-                self._wanted -= 1
+            self._unwant()
         return addr, pub
 
     def close(self) -> bool:

@@ -63,7 +63,7 @@ class ProcMeshState:
             raise MeshGoneError(f"proc mesh '{self.name}' was stopped; spawn a new one with "
                                 "spawn_procs(...)")
         procs = self.procs
-        refs = [procs[r] for r in ranks]
+        refs = list(map(procs.__getitem__, ranks))
         dead = runtime().dead
         if dead:
             for ref in refs:

@@ -57,6 +57,20 @@ class AgentLink:
         self.os_watch: LocalAgentWatch | None = None   # then: is its silence load? (host_liveness.py)
         self.host = ""
 
+    def post(self, frames) -> bool:
+        """Queue ``frames`` to the agent without blocking the I/O thread: False when the
+        link's queue is full (an agent that reads nothing: gone, cut off or frozen).
+
+        A DEALER blocks in send once SNDHWM messages wait for a peer, and a lost host is
+        heartbeaten for as long as the process lives: a blocking send here stopped the I/O
+        thread, and with it every reply and agent of the process, some minutes after a host
+        was lost."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
     def describe_loss(self, now: float) -> str:
         if self.pid and not pid_alive(self.pid):
             return f"the agent of host {self.host or self.addr} (pid {self.pid}) is gone"
@@ -93,10 +107,14 @@ class AgentLinks:
             return
         req = next(self._ids)
         link.requests[req] = fut
-        link.sock.send_multipart(self.rt.pack_to(addr, key, Req.make(req, op, args)), copy=False)
+        if not link.post(self.rt.pack_to(addr, key, Req.make(req, op, args))):
+            link.requests.pop(req, None)
+            fut.set_exception(HostUnreachableError(_full(link, op)))
 
     def send(self, addr: str, key: bytes, op: str, args: tuple) -> None:
-        self.link(addr, key).sock.send_multipart(self.rt.pack_to(addr, key, Req.make(0, op, args)), copy=False)
+        link = self.link(addr, key)
+        if not link.post(self.rt.pack_to(addr, key, Req.make(0, op, args))):
+            log.warning("%s", _full(link, op))
 
     def watch(self, addr: str, key: bytes, pid: int | None, host: str) -> None:
         link = self.link(addr, key)
@@ -154,8 +172,7 @@ class AgentLinks:
                 # A lost link is heartbeaten too: a host that answers again comes back.
                 link.last_hb_sent = now
                 link.unanswered += 1
-                link.sock.send_multipart(self.rt.pack_to(link.addr, link.key, Req.make(0, "hb", (self.rt.address,))),
-                                        copy=False)
+                link.post(self.rt.pack_to(link.addr, link.key, Req.make(0, "hb", (self.rt.address,))))
             if link.lost:
                 continue
             silent = now - link.last_seen
@@ -216,7 +233,9 @@ class AgentLinks:
         fut = Future("hello")
         req = next(self._ids)
         link.requests[req] = fut
-        link.sock.send_multipart(rt.pack_to(link.addr, link.key, Req.make(req, "hello", (rt.contact,))), copy=False)
+        if not link.post(rt.pack_to(link.addr, link.key, Req.make(req, "hello", (rt.contact,)))):
+            link.requests.pop(req, None)
+            fut.set_exception(HostUnreachableError(_full(link, "hello")))
 
         def died_meanwhile(f):
             if f.exception() is not None:
@@ -227,3 +246,9 @@ class AgentLinks:
                     rt.proc_failed(key, MeshFailure(rt.mesh_name_of(key), ref.rank, ref.host, ref.pid,
                                                     "proc died while its host was unreachable", key))
         fut.add_done_callback(died_meanwhile)
+
+
+def _full(link: AgentLink, op: str) -> str:
+    return (f"could not send {op!r} to the host agent at {link.addr}{f' ({link.host})' if link.host else ''}: "
+            "its queue is full, the agent has read nothing for a long time (gone, cut off or frozen); "
+            "check it with `%mesh status`, or start a new one")

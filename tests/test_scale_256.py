@@ -69,7 +69,7 @@ def test_256_procs_on_8_hosts_spawn_answer_run_a_cell_survive_load_and_fail_exac
                 hm.shutdown()
 
 
-_INNER = "MONARCH_KERNEL_TEST_SCALE_INNER"
+_INNER = "MK_TEST_SCALE_256_INNER"
 
 
 def _run_in_a_process_of_its_own() -> None:

@@ -59,7 +59,8 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     groups: dict[str, list] = {}
     direct = refs
     call_id = msg[reply_at + 1]
-    fan_min = config.FANOUT_MIN.get() if _routes else 0
+    # One member (call_one, a one-rank slice) keeps its one hop; and skips reading the setting.
+    fan_min = config.FANOUT_MIN.get() if _routes and len(refs) > 1 else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
         for agent, run in groupby(refs, _AGENT):   # ranks of a host are usually adjacent

@@ -152,33 +152,31 @@ class Transport:
 
 # --------------------------------------------------------------------- where things are
 _HOST_ID: str | None = None
+_PID_SPACE: str | None = None
+
+
+def _boot_and_ns(ns: str) -> str:
+    """This machine (boot id) and its namespace ``ns`` of this process; "" where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}:{os.stat(f'/proc/self/ns/{ns}').st_ino}"
+    except OSError:
+        return ""
 
 
 def host_id() -> str:
     """This machine (boot id) and network namespace: where an abstract ipc name resolves."""
     global _HOST_ID
     if _HOST_ID is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                boot = f.read().strip()
-            _HOST_ID = f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
-        except OSError:
-            _HOST_ID = ""
+        _HOST_ID = _boot_and_ns("net")
     return _HOST_ID
-
-
-_PID_SPACE: str | None = None
 
 
 def pid_space() -> str:
     """This machine (boot id) and pid namespace: where a pid names the same process."""
     global _PID_SPACE
     if _PID_SPACE is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                _PID_SPACE = f"{f.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
-        except OSError:
-            _PID_SPACE = ""
+        _PID_SPACE = _boot_and_ns("pid")
     return _PID_SPACE
 
 

@@ -45,7 +45,7 @@ from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.messages import Ev, Rep, Req
-from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_space
+from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_alive, pid_space
 from monarch_kernel.node.fanout import FanRelay
 from monarch_kernel.telemetry.agent import AgentTelemetry
 
@@ -327,7 +327,7 @@ class HostAgent:
         pending = [p for p in procs if p.state == "stopping" and p.pid]
         while pending and time.monotonic() < deadline:
             time.sleep(0.02)
-            pending = [p for p in pending if _alive(p.pid)]
+            pending = [p for p in pending if pid_alive(p.pid)]
         for p in pending:
             _kill(p.pid, signal.SIGKILL)
         for p in procs:
@@ -617,18 +617,6 @@ def _kill(pid, sig):
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _load_key(a) -> bytes:

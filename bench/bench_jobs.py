@@ -17,6 +17,11 @@ Figures (one JSON line each, the shared record format; median of --runs):
   slurm_node_to_agent_s     a node's starter running to its agent ready and reported (slowest node)
   slurm_agents_to_state_s   the last report to state() returning (attach)
   slurm_state_to_reply_s    state() returning to the first reply: the zygotes' torch import, fork, spawn
+  slurm_node_to_zygote_s    the last node's starter running to its zygote beginning to import (from the
+                            agents' logs in log_dir, ms stamps): the node starter, then the agent, start it
+  slurm_zygote_preload_s    the slowest zygote's preload (torch, the runtime, IPython.display)
+  slurm_first_reply_1node_s the same first reply from 1 node x 2 procs: one zygote on the machine's cores,
+                            as each real node has its own
   slurm_first_reply_no_torch_s  the same first reply with MONARCH_KERNEL_NO_TORCH=1 (zygotes skip torch):
                             what the orchestration costs without the per-node torch import
   process_first_reply_s     the same first reply with ProcessJob (local agent processes)
@@ -49,7 +54,7 @@ REATTACH = """
 import json, sys, time
 t0 = time.perf_counter()
 from monarch_kernel.job import SlurmJob
-job = SlurmJob(meshes={"hosts": 2})
+job = SlurmJob(meshes={"hosts": 2}, log_dir=sys.argv[1])   # the same spec, so the same cached job
 pm = job.state().hosts.proc_mesh("procs")
 pm.actor_mesh("where").host.call().get(timeout=30)
 print(json.dumps(time.perf_counter() - t0))
@@ -91,7 +96,8 @@ def slurm_run(cluster, Where) -> dict:
     from monarch_kernel.job import SlurmJob
 
     out = {}
-    job = SlurmJob(meshes={"hosts": 2})
+    logs = tempfile.mkdtemp(prefix="mk-bench-slurm-logs-")
+    job = SlurmJob(meshes={"hosts": 2}, log_dir=logs)
     t0, w0 = time.perf_counter(), time.time()
     state = job.state()
     out["slurm_state_s"] = time.perf_counter() - t0
@@ -100,8 +106,9 @@ def slurm_run(cluster, Where) -> dict:
     where.host.call().get(timeout=60)
     out["slurm_first_reply_s"] = time.perf_counter() - t0
     out.update(_breakdown(job._agents, w0, w_state, time.time()))
+    out.update(_zygotes(os.path.join(logs, f"monarch-{job.job_id}.out"), job._agents))
     job.disconnect()
-    r = subprocess.run([sys.executable, "-c", REATTACH], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", REATTACH, logs], capture_output=True, text=True, timeout=120, cwd=ROOT)
     out["slurm_reattach_s"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
     where = job.state().hosts.proc_mesh("procs").actor_mesh("where")
     fut = where.slice(hosts=1).sleep.call(30)
@@ -134,6 +141,45 @@ def _breakdown(agents: list[dict], w0: float, w_state: float, w_reply: float) ->
             "slurm_node_to_agent_s": max(t["reported"] - t["node_started"] for t in ts),
             "slurm_agents_to_state_s": w_state - max(t["reported"] for t in ts),
             "slurm_state_to_reply_s": w_reply - w_state}
+
+
+def _zygotes(log: str, agents: list[dict]) -> dict:
+    """From the nodes' agent logs (log_dir): when each zygote began its preload (torch, the
+    runtime) and how long that took, i.e. "zygote ready (preload X s)" minus X."""
+    import datetime
+    import re
+
+    seen: list[tuple[float, float]] = []
+    deadline = time.time() + 5
+    while len(seen) < len(agents) and time.time() < deadline:
+        seen = []
+        with open(log) as f:
+            for line in f:
+                m = re.match(r"(\S+ \S+),(\d+) agent INFO zygote ready \(preload ([\d.]+) s\)", line)
+                if m:
+                    ready = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + \
+                        int(m.group(2)) / 1000
+                    seen.append((ready - float(m.group(3)), float(m.group(3))))
+        time.sleep(0.05)
+    ts = [a.get("t") or {} for a in agents]
+    if len(seen) < len(agents) or not all("node_started" in t for t in ts):
+        return {}
+    # the ms-resolution log stamp; the last node up against the last zygote to start
+    return {"slurm_node_to_zygote_s": max(s for s, _ in seen) - max(t["node_started"] for t in ts),
+            "slurm_zygote_preload_s": max(p for _, p in seen)}
+
+
+def slurm_one_node_run(Where) -> dict:
+    """1 node x 2 procs: one zygote on this machine's 2 cores, as a real node has its own."""
+    from monarch_kernel.job import SlurmJob
+
+    job = SlurmJob(meshes={"hosts": 1}, name="bench-one-node")
+    t0 = time.perf_counter()
+    job.state(cached_path=None).hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where) \
+        .host.call().get(timeout=60)
+    took = time.perf_counter() - t0
+    job.kill()
+    return {"slurm_first_reply_1node_s": took}
 
 
 def slurm_no_torch_run(Where) -> dict:
@@ -204,6 +250,7 @@ def main(argv=None) -> None:
             for _ in range(a.runs):
                 runs.append(slurm_run(cluster, Where))
                 runs.append(slurm_no_torch_run(Where))
+                runs.append(slurm_one_node_run(Where))
     for _ in range(a.runs if a.only in (None, "process") else 0):
         runs.append(process_run(Where))
     try:

@@ -22,7 +22,10 @@ cap and lowers its per-proc memory estimate to the measured ~15 MB PSS, through
 MONARCH_KERNEL_MAX_PROCS / MONARCH_KERNEL_PROC_MEM_MB). ``--hosts8``: also 256 procs as 8
 hosts x 32, each host an agent in its own network namespace (root; tests/scale_hosts.py).
 Each call-to-all figure is taken with fan-out through the agent (``"fanout": true``) and,
-alternating in the same run, without it (``MONARCH_KERNEL_FANOUT_MIN=0``: one send per proc).
+alternating in the same run, without it (``MONARCH_KERNEL_FANOUT_MIN=0``: one send per proc);
+with 8 hosts also with the hosts in a tree (``"tree_width"`` 2 and 3:
+MONARCH_KERNEL_FANOUT_TREE_WIDTH; 0: every host under the controller), plus the controller's
+sends and fan-in batches per call to all (``controller_sends_per_call_all``, ``_batches_``).
 """
 from __future__ import annotations
 
@@ -91,14 +94,21 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None
     actors.noop.call().get(600)
     emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=hosts)
     iters = iters_for(n)
-    fan_min = os.environ.get("MONARCH_KERNEL_FANOUT_MIN")
+    saved = {k: os.environ.get(k) for k in ("MONARCH_KERNEL_FANOUT_MIN", "MONARCH_KERNEL_FANOUT_TREE_WIDTH")}
+    fan_min = saved["MONARCH_KERNEL_FANOUT_MIN"] or "4"
+    # (fan-out, tree width): several hosts also with the hosts in a tree of width 2 and 3.
+    modes = [(True, 0), (False, 0)] if hosts == 1 else [(True, 0), (True, 2), (True, 3), (False, 0)]
     try:
         for _ in range(5):
             actors.noop.call().get()
-        for rnd in range(2):   # alternate: fan-out on, off, on, off (same run, same load)
-            for fan in (True, False):
-                os.environ["MONARCH_KERNEL_FANOUT_MIN"] = (fan_min or "4") if fan else "0"
+        for rnd in range(2):   # alternate the modes (same run, same load)
+            for fan, width in modes:
+                os.environ["MONARCH_KERNEL_FANOUT_MIN"] = fan_min if fan else "0"
+                os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"] = str(width)
                 tag = {"n": n, "hosts": hosts, "fanout": fan, "round": rnd}
+                if hosts > 1:
+                    tag["tree_width"] = width
+                actors.noop.call().get()
                 cpu0 = time.process_time()
                 s = timed_calls(lambda: actors.noop.call().get(), iters)
                 cpu = time.process_time() - cpu0
@@ -107,6 +117,10 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None
                 emit("controller_cpu_per_call_all_ms", cpu / iters * 1e3, "ms", iters=iters, **tag)
                 if rnd:
                     continue
+                if hosts > 1:
+                    sends, batches = _messages_per_call(runtime(), lambda: actors.noop.call().get(), 20)
+                    emit("controller_sends_per_call_all", sends, "", iters=20, **tag)
+                    emit("controller_batches_per_call_all", batches, "", iters=20, **tag)
                 for size, name in ((1024, "1KB"), (1024 * 1024, "1MB")):
                     payload = os.urandom(size)
                     k = max(10, iters // (8 if size > 4096 else 1))
@@ -123,11 +137,35 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None
                 assert len(seen) == n * k, (len(seen), n * k)
                 emit("output_line_per_rank_p50_us", pct(s, 0.5) * 1e6, "us", iters=k, **tag)
     finally:
-        if fan_min is None:
-            os.environ.pop("MONARCH_KERNEL_FANOUT_MIN", None)
-        else:
-            os.environ["MONARCH_KERNEL_FANOUT_MIN"] = fan_min
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         procs.stop()
+
+
+def _messages_per_call(rt, call, iters: int) -> tuple[float, float]:
+    """The controller's sends and received fan-in batches per call (counted apart from the
+    timed calls: the counting costs CPU)."""
+    sends, batches = [0], [0]
+    real_send, real_batch = rt.send_frames, rt.handlers["rb"]
+
+    def counting_send(addr, frames):
+        sends[0] += 1
+        return real_send(addr, frames)
+
+    def counting_batch(msg):
+        batches[0] += 1
+        return real_batch(msg)
+
+    rt.send_frames, rt.handlers["rb"] = counting_send, counting_batch
+    try:
+        for _ in range(iters):
+            call()
+    finally:
+        rt.send_frames, rt.handlers["rb"] = real_send, real_batch
+    return sends[0] / iters, batches[0] / iters
 
 
 def eight_hosts() -> None:

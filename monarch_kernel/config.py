@@ -184,8 +184,11 @@ LEASE_S = _declare("LEASE_S", "float", 3600.0, "seconds a persistent mesh lives 
                    "any", minimum=0)
 SAME_HOST_IPC = _declare("SAME_HOST_IPC", "bool", True, "processes on one host talk over ipc sockets "
                          "(0: tcp on loopback)", "any")
-CURVE = _declare("CURVE", "choice", "auto", "CurveZMQ encryption: `auto` (links that leave loopback), "
-                 "`always`, `never`", "any", choices=("auto", "always", "never"))
+CURVE = _declare("CURVE", "choice", "auto", "CurveZMQ on tcp links: `auto` (every tcp endpoint, loopback "
+                 "too: a stranger fails the handshake), `remote` (only those that leave loopback), `always` "
+                 "(= auto), `never`", "any", choices=("auto", "remote", "always", "never"))
+IPC_DIR = _declare("IPC_DIR", "path", None, "where this user's same-host ipc sockets live (made 0700; "
+                   "default `/tmp/monarch-kernel-<uid>`)", "any")
 MAX_MESSAGE_AGE_S = _declare("MAX_MESSAGE_AGE_S", "float", 300.0, "older signed messages are refused as "
                              "replays (clock skew plus queueing)", "any", minimum=1)
 SHM_TENSORS = _declare("SHM_TENSORS", "bool", True, "large tensors between processes of one host go "
@@ -194,8 +197,11 @@ SHM_TENSOR_BYTES = _declare("SHM_TENSOR_BYTES", "int", 1 << 20, "tensors at leas
                             "through shared memory", "any", minimum=0)
 
 # ------------------------------------------------------------------- fan-out and fan-in
-FANOUT_MIN = _declare("FANOUT_MIN", "int", 32, "members on one host before a call to them goes through "
-                      "its agent, once (0: fan-out off)", "controller", minimum=0)
+FANOUT_MIN = _declare("FANOUT_MIN", "int", 32, "members in one call, spawn or broadcast before it goes "
+                      "through their hosts' agents, one send a host (0: fan-out off)", "controller", minimum=0)
+FANOUT_TREE_WIDTH = _declare("FANOUT_TREE_WIDTH", "int", 16, "most host agents one sender (the controller, "
+                              "or an agent of the tree) forwards a fanned message to: past that many hosts, "
+                              "hosts form a tree (0: no tree)", "controller", minimum=0)
 FANIN_FLUSH_S = _declare("FANIN_FLUSH_S", "float", 0.002, "seconds an agent holds its procs' replies and "
                          "output before sending a batch that is not complete", "agent", minimum=0)
 
@@ -204,8 +210,9 @@ MAX_PROCS = _declare("MAX_PROCS", "int", 0, "most procs one agent runs (0: 8 per
                      "agent", minimum=0)
 PROC_MEM_MB = _declare("PROC_MEM_MB", "float", 150.0, "memory a new proc is assumed to need when an "
                        "agent checks room for a spawn", "agent", minimum=0)
-AGENT_MAX_MESSAGE = _declare("AGENT_MAX_MESSAGE", "int", 32 << 20, "largest frame an agent accepts "
-                             "(bytes), checked before any MAC", "agent", minimum=1024)
+AGENT_MAX_MESSAGE = _declare("AGENT_MAX_MESSAGE", "int", 4 << 20, "largest frame an agent reads before any "
+                             "MAC check (bytes, + 4 KiB; at least 4 MiB: larger messages travel in 4 MiB "
+                             "pieces)", "agent", minimum=1024)
 TELEMETRY_S = _declare("TELEMETRY_S", "float", 1.0, "seconds between an agent's telemetry samples "
                        "(0: off)", "agent", minimum=0)
 TELEMETRY_HISTORY_S = _declare("TELEMETRY_HISTORY_S", "float", 3600.0, "seconds of samples an agent "

@@ -2,13 +2,15 @@
 core/v1 pods and secrets (create, get, list with label selectors, delete), watches of pods
 from a resourceVersion, pod logs, and
 a "kubelet" that runs each pod's container command as a local process in its own network
-namespace with its own IP (so the fixed agent port behaves as on a cluster).
+namespace with its own IP (so the fixed agent port behaves as on a cluster), and restarts
+it as the pod's restartPolicy says (Always, OnFailure, Never).
 
 Images the kubelet knows:
   fake/monarch:*        ``python`` is this venv's interpreter (the project installed)
   fake/python-only:*    ``python`` is the system one without the project: the container
                         exits at once and the pod goes into CrashLoopBackOff
   anything else         ErrImagePull / ImagePullBackOff, the pod stays Pending
+A pod requesting more than NODE_CAPACITY (e.g. 9 nvidia.com/gpu) stays Pending, Unschedulable.
 Without root (no namespaces) pods run on loopback with distinct 127.0.0.x addresses.
 Every object created is kept in ``created`` for the tests to validate.
 """
@@ -31,6 +33,8 @@ from urllib.parse import parse_qs, urlparse
 
 from netns_hosts import BridgedHosts
 
+#: what the one fake node offers: a pod requesting more stays Pending (Unschedulable)
+NODE_CAPACITY = {"nvidia.com/gpu": 8}
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin") or "/usr/bin/python3"
 
 
@@ -158,7 +162,16 @@ class FakeKubernetes:
         c = pod["spec"]["containers"][0]
         image = c["image"]
         proc = self.procs.get(key)
+        if proc is None and "terminated" in cs["state"]:
+            return   # ended for good (restartPolicy Never, or OnFailure after a clean exit)
         if proc is None and "running" not in cs["state"]:
+            short = [r for r, n in ((c.get("resources") or {}).get("requests") or {}).items()
+                     if r in NODE_CAPACITY and int(n) > NODE_CAPACITY[r]]
+            if short:   # as the scheduler says it: no node has room, the pod stays Pending
+                st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                     "message": f"0/1 nodes are available: 1 Insufficient {short[0]}."}]
+                cs["state"] = {"waiting": {}}
+                return
             if not image.startswith(("fake/monarch:", "fake/python-only:")):
                 reason = "ErrImagePull" if cs["state"].get("waiting", {}).get("reason") != "ErrImagePull" \
                     else "ImagePullBackOff"
@@ -176,6 +189,13 @@ class FakeKubernetes:
         if proc is not None and proc.poll() is not None:
             code = proc.returncode
             del self.procs[key]
+            policy = pod["spec"].get("restartPolicy") or "Always"   # the API server's default
+            if policy == "Never" or (policy == "OnFailure" and code == 0):
+                cs["state"] = {"terminated": {"exitCode": code, "reason": "Error" if code else "Completed",
+                                              "finishedAt": _now()}}
+                cs["ready"] = False
+                st["phase"] = "Failed" if code else "Succeeded"
+                return
             cs["lastState"] = {"terminated": {"exitCode": code, "reason": "Error" if code else "Completed"}}
             cs["restartCount"] += 1
             cs["ready"] = False

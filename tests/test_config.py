@@ -83,7 +83,7 @@ def test_a_bad_value_names_the_variable_the_value_and_the_default(monkeypatch):
     msg = str(e.value)
     assert msg.startswith("MONARCH_KERNEL_MAX_PROCS='abc' is not an integer") and "default (0)" in msg
     for name, raw, why in (("HOLD_S", "1s", "is not a number"), ("PREWARM", "maybe", "is not a boolean"),
-                           ("CURVE", "sometimes", "is not 'auto' or 'always' or 'never'"),
+                           ("CURVE", "sometimes", "is not 'auto' or 'remote' or 'always' or 'never'"),
                            ("OUTPUT_RATE", "-5", "is below 0"), ("KEY", "xyz", "is not a hex string")):
         monkeypatch.setenv(config.PREFIX + name, raw)
         with pytest.raises(ValueError, match=re.escape(f"MONARCH_KERNEL_{name}='{raw}' {why}")):

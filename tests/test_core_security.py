@@ -1,7 +1,7 @@
 """Security against real sockets: forged or malformed messages sent to a proc's work inbox,
 its ctrl inbox, the host agent's ROUTER and the controller's inbox are dropped and logged,
 never unpickled, and the mesh keeps working; the connection file is private; everything
-listens on loopback by default."""
+listens on loopback by default. Peers without the keys: test_core_strangers.py."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from monarch_kernel.actor import Actor, endpoint, this_host
-from monarch_kernel.core import wire
+from monarch_kernel.core import curve, wire
 from monarch_kernel.core.connection import connection_path, home
 from monarch_kernel.core.runtime import runtime
 
@@ -71,11 +71,14 @@ def forged_messages(key: bytes, path: str) -> dict[str, list]:
     }
 
 
-def send_all(addr: str, messages: dict, sock_type=zmq.PUSH) -> None:
+def send_all(addr: str, messages: dict, sock_type=zmq.PUSH, server_key: bytes | None = None) -> None:
+    """Send as a peer that got past CURVE (it knows the endpoint's public key, as one that
+    saw the address would, but not the mesh key): the MAC layer behind it is what is tested.
+    A peer without the public key does not get this far (test_core_strangers.py)."""
     ctx = zmq.Context.instance()
     s = ctx.socket(sock_type)
     s.setsockopt(zmq.LINGER, 2000)
-    s.connect(addr)
+    curve.connect(s, addr, server_key)
     for frames in messages.values():
         s.send_multipart(frames)
     s.close()
@@ -123,7 +126,7 @@ def test_forged_messages_to_the_agent_router_are_dropped_and_logged(mesh, tmp_pa
     path = tmp_path / "pwned-agent"
     log_file = home() / "logs" / f"{NAME}.log"
     before = log_file.read_text().count("dropped")
-    send_all(hm._agents[0]["addr"], forged_messages(hm._key, str(path)), zmq.DEALER)
+    send_all(hm._agents[0]["addr"], forged_messages(hm._key, str(path)), zmq.DEALER, curve.agent_keys(hm._key)[0])
     assert wait_for(lambda: log_file.read_text().count("dropped") - before >= 6), log_file.read_text()[-2000:]
     text = log_file.read_text()
     assert "dropped an unauthenticated message on agent router" in text

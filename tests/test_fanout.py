@@ -59,18 +59,20 @@ def members():
 
 
 class _SendCounter:
-    """Counts the controller's sends by destination (wraps Runtime.send_frames)."""
+    """Counts the controller's sends by destination (wraps Runtime.send_frames, and
+    Runtime.send_plain: a call_one of plain arguments)."""
 
     def __init__(self, monkeypatch):
         rt = runtime()
         self.dests: list[str] = []
-        real = rt.send_frames
+        for name in ("send_frames", "send_plain"):
+            real = getattr(rt, name)
 
-        def counting(addr, frames):
-            self.dests.append(addr)
-            return real(addr, frames)
+            def counting(addr, *a, real=real):
+                self.dests.append(addr)
+                return real(addr, *a)
 
-        monkeypatch.setattr(rt, "send_frames", counting)
+            monkeypatch.setattr(rt, name, counting)
 
 
 def test_a_call_to_8_procs_of_one_host_is_one_send_from_the_controller(members, monkeypatch):

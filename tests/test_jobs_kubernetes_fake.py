@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import sys
+import time
 
 import cloudpickle
 import pytest
@@ -101,15 +102,17 @@ def test_fake_cluster_attach_only_finds_running_pods_by_monarch_labels_in_pod_in
     for index in (1, 0):   # created out of order: rank comes from the pod-index label
         # pod 1's agent binds every interface and must still advertise an address we can reach
         bind = ["--bind", "0.0.0.0"] if index else ["--bind", "$(POD_IP)"]
+        port = 26601 if index else 26600   # pod 1's agent listens elsewhere and says so in MONARCH_PORT
         api.create_namespaced_pod("default", client.V1Pod(
             metadata=client.V1ObjectMeta(name=f"trainer-{index}", labels={
                 "app.kubernetes.io/name": "monarch-worker", "monarch.pytorch.org/mesh-name": "trainer",
                 "apps.kubernetes.io/pod-index": str(index)}),
             spec=client.V1PodSpec(containers=[client.V1Container(
                 name="worker", image="fake/monarch:1",
-                command=["python", "-m", "workers.agent", *bind, "--port", "26600", "--persistent"],
-                env=[*([] if index else [client.V1EnvVar(name="POD_IP", value_from=client.V1EnvVarSource(
-                         field_ref=client.V1ObjectFieldSelector(field_path="status.podIP")))]),
+                command=["python", "-m", "workers.agent", *bind, "--port", str(port), "--persistent"],
+                env=[*([client.V1EnvVar(name="MONARCH_PORT", value=str(port))] if index else
+                       [client.V1EnvVar(name="POD_IP", value_from=client.V1EnvVarSource(
+                           field_ref=client.V1ObjectFieldSelector(field_path="status.podIP")))]),
                      client.V1EnvVar(name="MONARCH_KERNEL_KEY", value_from=client.V1EnvVarSource(
                          secret_key_ref=client.V1SecretKeySelector(name="monarch-worker-key", key="key")))])])))
     job = KubernetesJob(kubeconfig=k8s.kubeconfig).add_mesh(
@@ -117,9 +120,87 @@ def test_fake_cluster_attach_only_finds_running_pods_by_monarch_labels_in_pod_in
     try:
         hosts = job.state().trainer.spawn_procs(per_host={"gpus": 1}).spawn("hosts", Host)
         assert [n for n, _ in hosts.where.call().get(timeout=60).values()] == ["trainer-0", "trainer-1"]
+        assert [a["addr"].rsplit(":", 1)[1] for a in job._agents] == ["26600", "26601"]
     finally:
         job.kill()
         assert set(k8s.pods) == {("default", "trainer-0"), ("default", "trainer-1")}   # not ours to delete
         for index in (0, 1):
             api.delete_namespaced_pod(f"trainer-{index}", "default")
         api.delete_namespaced_secret("monarch-worker-key", "default")
+
+
+def test_fake_cluster_the_lease_ends_the_agents_and_their_pods_are_not_restarted(k8s):
+    """No notebook attached for the lease: the agent ends cleanly and its pod is Succeeded
+    (holding no resources), not restarted with a fresh, empty agent; state() says so and
+    kill() (or %mesh stop) deletes what is left."""
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name="leased", lease=2.0).add_mesh(
+        "w", 1, image_spec=ImageSpec("fake/monarch:1"))
+    try:
+        job.state().w.spawn_procs(per_host={"gpus": 1})
+        job.disconnect()
+        deadline = time.monotonic() + 30
+        while any(p["status"]["phase"] != "Succeeded" for p in k8s.pods.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p["status"]["phase"] for p in k8s.pods.values()] == ["Succeeded"]
+        time.sleep(1.5)   # longer than the kubelet's restart back-off
+        assert not k8s.procs, "the agent's container was restarted after its lease"
+        with pytest.raises(JobGoneError, match="is Succeeded: its agent ended"):
+            job.state()
+    finally:
+        job.kill()
+    assert not k8s.pods and not k8s.secrets
+
+
+def test_fake_cluster_pods_no_node_can_take_are_deleted_at_job_start_timeout_and_on_interrupt(k8s):
+    import signal
+    import threading
+
+    big = ImageSpec("fake/monarch:1", resources={"nvidia.com/gpu": 9})   # the fake node has 8
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name="too-big", job_start_timeout=1.0).add_mesh(
+        "w", 1, image_spec=big)
+    lines = []
+    with pytest.raises(JobError, match=r"not every agent was up after 1 s \(pods: Pending \(Unschedulable\) 1; "
+                                       r"agents up 0/1; pod mk-too-big-\w+-w-0: Unschedulable: 0/1 nodes are "
+                                       r"available: 1 Insufficient nvidia.com/gpu\.\); its pods were deleted"):
+        job.state(progress=lines.append)
+    assert "pods: Pending (Unschedulable) 1; agents up 0/1" in lines, lines
+    assert not k8s.pods and not k8s.secrets
+    # The interrupt button while the pods wait: the same clean-up, nothing left.
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name="interrupted", job_start_timeout=None).add_mesh(
+        "w", 1, image_spec=big)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.state()
+    finally:
+        timer.cancel()
+    assert not k8s.pods and not k8s.secrets and not job.active
+
+
+def test_fake_cluster_pods_from_a_pod_template_keep_its_labels_and_env_and_get_the_agent(k8s):
+    tmpl = client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(labels={"team": "ml"}),
+        spec=client.V1PodSpec(containers=[client.V1Container(
+            name="worker", image="fake/monarch:1", env=[client.V1EnvVar(name="TEAM", value="vision")])]))
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name="templated").add_mesh("w", 2, pod_template=tmpl)
+    try:
+        procs = job.state().w.spawn_procs(per_host={"gpus": 1})
+        assert procs.spawn("env", Env).team.call().get(timeout=60).values() == ["vision", "vision"]
+        for pod in [p for p in k8s.created if p.get("kind") == "Pod" and "templated" in p["metadata"]["name"]]:
+            model = _model(pod, "V1Pod")
+            assert model.metadata.labels["team"] == "ml"
+            assert model.metadata.labels["monarch.pytorch.org/mesh-name"] == "w"
+            assert model.spec.restart_policy == "OnFailure"
+            env = {e.name: e for e in model.spec.containers[0].env}
+            assert env["MONARCH_KERNEL_KEY"].value_from.secret_key_ref is not None and env["TEAM"].value == "vision"
+            assert job._key.hex() not in json.dumps(pod)
+    finally:
+        job.kill()
+    assert not k8s.pods and not k8s.secrets
+
+
+class Env(Actor):
+    @endpoint
+    def team(self) -> str:
+        return os.environ.get("TEAM", "")

@@ -210,10 +210,15 @@ def test_connect_shorthands_make_the_job_they_name_and_bad_combinations_say_why(
     slurm = job_from_args({}, _connect_args('train --slurm "-N 2 -p gpu --gpus-per-node 8"'), None)
     assert (slurm.kind, slurm.name, slurm.meshes, slurm.slurm_args) == \
         ("slurm", "train", {"hosts": 2}, ["-p", "gpu", "--gpus-per-node", "8"])
+    assert job_from_args({}, _connect_args('train --slurm "-N 2"'), 90.0).lease == 90.0   # --lease
     k8s = job_from_args({}, _connect_args("kube --k8s ml --image img:1 --replicas 3"), None)
     assert (k8s.kind, k8s.namespace, k8s.meshes) == ("kubernetes", "ml", {"hosts": 3})
     ssh = job_from_args({}, _connect_args("far --ssh gpu1,alice@gpu2:2222"), None)
-    assert ssh.hosts == ["gpu1", "alice@gpu2:2222"] and ssh.meshes == {"hosts": 2}
+    assert ssh.hosts == ["gpu1", "alice@gpu2:2222"] and ssh.meshes == {"hosts": 2} and ssh.ssh_args == []
+    ssh = job_from_args({}, _connect_args('far --ssh gpu1 --ssh-args "-F ~/c.conf -o \'ProxyJump=a b\'"'), None)
+    assert ssh.ssh_args == ["-F", os.path.expanduser("~/c.conf"), "-o", "ProxyJump=a b"]
+    with pytest.raises(UsageError, match="--ssh-args goes with --ssh"):
+        job_from_args({}, _connect_args('far --slurm "-N 1" --ssh-args "-F c"'), None)
     mine = ProcessJob({"hosts": 1})
     assert job_from_args({"j": mine}, _connect_args("x --job j"), None) is mine
     with pytest.raises(UsageError, match="--k8s NAMESPACE needs --image"):

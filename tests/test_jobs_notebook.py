@@ -10,7 +10,7 @@ import pytest
 from kernel_harness import KernelHarness
 from slurm_cluster import cluster_fixture
 
-CONNECT = '%mesh connect train --slurm "-N 2" --procs 2'
+CONNECT = '%mesh connect train --slurm "-N 2 -t 30" --procs 2'
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,17 @@ def k(cluster, k8s):
     assert cluster.queue() == []
 
 
+COUNTER = """from monarch_kernel.actor import Actor, endpoint
+class Counter(Actor):
+    def __init__(self):
+        self.n = 0
+    @endpoint
+    def bump(self):
+        self.n += 1
+        return self.n
+"""
+
+
 def _texts(r) -> str:
     return "\n".join(m["content"]["data"]["text/plain"] for m in r.outputs
                      if m["msg_type"] in ("display_data", "update_display_data"))
@@ -58,9 +69,11 @@ def test_connect_cell_gets_a_slurm_allocation_and_runs_cells_on_both_nodes(k, cl
     assert "running on n[1-2]" in _texts(r)   # the progress line said what squeue said
     k.job_id = m.group(1)
     k.ok("%%on_mesh\nimport socket\nwhere = f'{socket.gethostname()} rank {rank}'")
+    k.ok(COUNTER + "counters = mesh.spawn('counters', Counter)\ncounters.bump.call().get(timeout=30).values()")
     assert "n2 rank 3" in k.ok("%%on_mesh\nwhere").stdout + k.ok("%%on_mesh\nwhere").result
     status = k.ok("%mesh status")
-    assert f"slurm job {k.job_id} (RUNNING on n[1-2]" in status.stdout + _texts(status) + status.result
+    shown = status.stdout + _texts(status) + status.result
+    assert re.search(rf"slurm job {k.job_id} \(RUNNING on n\[1-2\] time left (29|30):\d\d\)", shown), shown
 
 
 def test_rerunning_the_connect_cell_after_a_restart_reattaches_to_the_same_job_and_state(k, cluster):
@@ -69,6 +82,8 @@ def test_rerunning_the_connect_cell_after_a_restart_reattaches_to_the_same_job_a
     assert f"on slurm job {k.job_id} re-attached" in r.stdout, r.stdout
     out = k.ok("%%on_mesh\nwhere")
     assert "n1 rank 0" in out.stdout + out.result and "n2 rank 3" in out.stdout + out.result
+    # the same actors, not new ones: their counts go on from before the restart
+    assert k.value("mesh.actor_mesh('counters').bump.call().get(timeout=30).values()") == [2, 2, 2, 2]
 
 
 def test_disconnect_leaves_the_allocation_and_stop_releases_it(k, cluster):
@@ -108,6 +123,10 @@ def test_connect_k8s_runs_cells_in_pods_of_the_fake_cluster_and_stop_deletes_the
     assert "pods: Running 2; agents up 2/2" in _texts(r)
     out = k.ok("%%on_mesh\nimport socket\nsocket.gethostname()")
     assert "mk-kube-" in out.stdout + out.result and "-hosts-1" in out.stdout + out.result
+    status = k.ok("%mesh status")
+    shown = status.stdout + _texts(status) + status.result
+    assert re.search(r"kubernetes job mk-kube-\w+ \(pods Running 2/2 on mk-kube-\w+-hosts-0,mk-kube-\w+-hosts-1\)",
+                     shown), shown
     k.ok("%mesh stop kube", timeout=60)
     assert not k8s.pods and not k8s.secrets
 

@@ -57,6 +57,10 @@ def test_slurm_job_spans_both_nodes_and_a_second_process_gets_the_same_actors_ba
         assert counters.bump.call().get(timeout=60).values() == [("n1", 1), ("n1", 1), ("n2", 1), ("n2", 1)]
         assert counters.slice(hosts=1).bump.call().get(timeout=20).values() == [("n2", 2), ("n2", 2)]
         assert oct(os.stat(job.dump()).st_mode & 0o777) == "0o600"
+        _assert_key_kept_secret(job._key.hex().encode(), cluster)
+        # each agent bound its node's own address, never all interfaces
+        assert sorted(a["addr"].rsplit(":", 1)[0] for a in job._agents) == \
+            sorted(f"tcp://{ip}" for ip in cluster.node_ip.values())
         job.disconnect()
         # A new process, the same constructor call: the same allocation, procs and actors.
         code = ("import json; from monarch_kernel.job import SlurmJob\n"
@@ -75,6 +79,26 @@ def test_slurm_job_spans_both_nodes_and_a_second_process_gets_the_same_actors_ba
         took = time.monotonic() - t0
     assert cluster.queue() == []
     assert took < 15, took
+
+
+def _assert_key_kept_secret(key: bytes, cluster) -> None:
+    """The mesh key is on no process's command line, and where Slurm keeps it (the job's
+    saved environment, state/hash.N/job.N/environment) no one but its owner can read it."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert key not in f.read(), f"the key is on the command line of pid {pid}"
+        except OSError:
+            pass
+    for root, _, files in os.walk(cluster.dir):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as f:
+                    if key in f.read():
+                        assert os.stat(path).st_mode & 0o077 == 0, f"{path} holds the key and others can read it"
+            except OSError:
+                pass
 
 
 def test_a_node_cut_off_fails_its_ranks_within_5_s_and_the_other_node_keeps_its_state(cluster):
@@ -125,6 +149,8 @@ def test_sbatch_refusing_the_job_says_why_at_once_and_leaves_nothing(cluster):
         SlurmJob(meshes={"hosts": 2}, partition="nosuch").state()
     with pytest.raises(JobError, match="sbatch refused .*Node count specification invalid"):
         SlurmJob(meshes={"hosts": 3}).state()
+    with pytest.raises(JobError, match=r"sbatch refused .*Invalid generic resource \(gres\)"):
+        SlurmJob(meshes={"hosts": 1}, gpus_per_node=1).state()   # the test nodes have no GPUs
     assert time.monotonic() - t0 < 5
     assert cluster.queue() == []
 
@@ -181,5 +207,51 @@ def test_slurm_unreachable_is_an_error_not_a_job_given_up(cluster, monkeypatch, 
         assert job.state().hosts is not None and cluster.queue()   # the same job, still there
     finally:
         monkeypatch.setenv("SLURM_CONF", cluster.conf)
+        job.kill()
+    assert cluster.queue() == []
+
+
+def test_the_job_parameters_reach_slurm_and_log_dir_keeps_the_nodes_logs(cluster, tmp_path):
+    """qos= goes to sbatch the same way; this cluster keeps no accounting, so Slurm drops it."""
+    python = tmp_path / "site-python"   # a python_exe of the site's own, e.g. on a shared file system
+    python.write_text(f"#!/bin/sh\nMK_SITE_PYTHON=1 exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    job = SlurmJob(meshes={"hosts": 1}, python_exe=str(python), job_name="mk-params", time_limit="10:00",
+                   cpus_per_task=2, mem="1M", account="mk-acct", log_dir=str(tmp_path))
+    try:
+        job.state()
+        import psutil
+
+        assert psutil.Process(job._agents[0]["pid"]).environ().get("MK_SITE_PYTHON") == "1"
+        shown = cluster.run("scontrol", "show", "job", job.job_id).stdout
+        for field in ("JobName=mk-params", "TimeLimit=00:10:00", "CPUs/Task=2", "MinMemoryNode=1M", "Account=mk-acct"):
+            assert field in shown, shown
+        log = tmp_path / f"monarch-{job.job_id}.out"
+        deadline = time.monotonic() + 30
+        while "zygote ready" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "zygote ready" in log.read_text()   # the node's agent logs there
+    finally:
+        job.kill()
+    assert cluster.queue() == []
+
+
+def test_an_agent_killed_on_its_node_takes_its_zygote_and_procs_with_it(cluster):
+    """The node starter begins the zygote before the agent (torch imports meanwhile) and
+    hands it over; a kill -9 of the agent still ends that zygote and its procs."""
+    import psutil
+
+    job = SlurmJob(meshes={"hosts": 1}, name="agent-killed")
+    try:
+        procs = job.state(cached_path=None).hosts.spawn_procs(per_host={"gpus": 2})
+        procs.spawn("counters", Counter).bump.call().get(timeout=60)
+        agent = psutil.Process(job._agents[0]["pid"])
+        family = [p for p in agent.parent().children(recursive=True) if p.pid != agent.pid]
+        assert any("monarch_kernel.node.zygote" in " ".join(p.cmdline()) for p in family)
+        assert len(family) >= 3   # the zygote and the 2 procs it forked
+        agent.kill()
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, f"left after the agent was killed: {[p.cmdline() for p in alive]}"
+    finally:
         job.kill()
     assert cluster.queue() == []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import time
 
@@ -39,7 +38,8 @@ class Where(Actor):
 
 
 def test_ssh_job_starts_an_agent_per_host_and_the_key_never_reaches_a_command_line(hosts):
-    job = _job(hosts)
+    names = ("h1", "root@h2:22")   # both spellings of a host: ssh config alias, user@host:port
+    job = _job(hosts, names)
     try:
         procs = job.state().hosts.spawn_procs(per_host={"gpus": 2})
         assert procs.spawn("where", Where).host.call().get(timeout=60).values() == ["h1", "h1", "h2", "h2"]
@@ -52,7 +52,7 @@ def test_ssh_job_starts_an_agent_per_host_and_the_key_never_reaches_a_command_li
                 except OSError:
                     pass
         job.disconnect()
-        again = _job(hosts)   # a new job object, as after a kernel restart: the same agents
+        again = _job(hosts, names)   # a new job object, as after a kernel restart: the same agents
         assert again.state().hosts.proc_mesh("procs").actor_mesh("where").host.call().get(timeout=20).values() \
             == ["h1", "h1", "h2", "h2"]
         assert again.job_id == job.job_id
@@ -67,17 +67,14 @@ def test_an_unreachable_host_is_named_and_no_agent_is_left_on_the_others(hosts):
     assert time.monotonic() - t0 < 15
 
 
-def test_connect_ssh_cell_runs_cells_on_both_hosts_shows_the_job_and_stop_ends_every_agent(hosts, tmp_path):
-    """The user's line, through a real kernel: `ssh` on the kernel's PATH is the system
-    client with the test hosts' config (as ~/.ssh/config would be), passing the home on."""
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "ssh").write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {hosts.config} "
-                              '-o SetEnv=MONARCH_KERNEL_HOME="$MONARCH_KERNEL_HOME" "$@"\n')
-    (shim / "ssh").chmod(0o755)
-    k = KernelHarness(env={"PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"})
+def test_connect_ssh_cell_runs_cells_on_both_hosts_shows_the_job_and_stop_ends_every_agent(hosts):
+    """The user's line, through a real kernel and the system ssh client: the test hosts'
+    client config and the session's home (so the orphan check sees the agents) go in as
+    ssh options with --ssh-args, as a user passes a cluster's config or a jump host."""
+    k = KernelHarness()
+    ssh_args = f"-F {hosts.config} -o SetEnv=MONARCH_KERNEL_HOME={k.home}"
     try:
-        r = k.ok("%mesh connect far --ssh h1,h2 --procs 2", timeout=120)
+        r = k.ok(f'%mesh connect far --ssh h1,h2 --ssh-args "{ssh_args}" --per-host gpus=2', timeout=120)
         m = re.search(r"mesh 'far': 4 procs \(hosts=2, gpus=2\) on ssh job (ssh-\w+) started", r.stdout)
         assert m, r.stdout + r.stderr
         kernel = k.value("__import__('os').getpid()")
@@ -120,3 +117,19 @@ def test_an_interrupt_while_ssh_starts_the_agents_leaves_none_running(hosts, tmp
         time.sleep(0.1)
     assert not home_processes(os.environ["MONARCH_KERNEL_HOME"]) - before, "agents left on the hosts"
     assert not job.active
+
+
+def test_the_lease_ends_the_ssh_agents_no_notebook_is_attached_to(hosts):
+    before = home_processes(os.environ["MONARCH_KERNEL_HOME"])
+    job = _job(hosts, lease=2.0, name="ssh-leased")
+    try:
+        job.state()
+        job.disconnect()
+        deadline = time.monotonic() + 20
+        while home_processes(os.environ["MONARCH_KERNEL_HOME"]) - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not home_processes(os.environ["MONARCH_KERNEL_HOME"]) - before, "agents left after their lease"
+        with pytest.raises(JobError, match="no longer runs"):
+            job.state()
+    finally:
+        job.kill()

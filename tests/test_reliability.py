@@ -352,15 +352,19 @@ def test_a_huge_frame_and_many_idle_connections_from_a_peer_without_the_key_cost
 # ---------------------------------------------------------------- 5. replayed frames are dropped
 class _RecordingProxy:
     """A ZeroMQ proxy between the controller and an agent that records every message the
-    controller sends: the real frames an eavesdropper on the link would capture. It listens
-    on the agent's port at another loopback address (frames name the port they are for)."""
+    controller sends: the real frames an eavesdropper on the link would capture (were it
+    not CURVE: the proxy holds the agents' keys). It listens on the agent's port at another
+    loopback address (frames name the port they are for)."""
 
-    def __init__(self, target: str, listen: str):
+    def __init__(self, target: str, listen: str, key: bytes):
         import zmq
 
+        from monarch_kernel.core import curve
+
         self.ctx = zmq.Context()
+        self.key = curve.agent_keys(key)
         self.front = self.ctx.socket(zmq.ROUTER)
-        self.front.bind(listen)
+        curve.bind(self.front, listen, self.key[1])
         self.addr = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.target = target
         self.back = None   # connected with the controller's identity (the agent answers to it)
@@ -372,6 +376,8 @@ class _RecordingProxy:
     def _serve(self):
         import zmq
 
+        from monarch_kernel.core import curve
+
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
         ident = None
@@ -382,7 +388,7 @@ class _RecordingProxy:
                     if self.back is None:
                         self.back = self.ctx.socket(zmq.DEALER)
                         self.back.setsockopt(zmq.ROUTING_ID, ident)
-                        self.back.connect(self.target)
+                        curve.connect(self.back, self.target, self.key[0])
                         poller.register(self.back, zmq.POLLIN)
                     self.sent.append(frames)
                     self.back.send_multipart(frames)
@@ -395,12 +401,15 @@ class _RecordingProxy:
         self.ctx.destroy(0)
 
 
-def _replay(addr: str, captured: list, sock_type) -> None:
+def _replay(addr: str, captured: list, sock_type, server_key: bytes | None = None) -> None:
+    """Send ``captured`` from a new connection that got past CURVE (it knows the server key)."""
     import zmq
+
+    from monarch_kernel.core import curve
 
     ctx = zmq.Context()
     s = ctx.socket(sock_type)
-    s.connect(addr)
+    curve.connect(s, addr, server_key)
     for frames in captured:                   # the same frames, from another connection
         s.send_multipart(frames)
     time.sleep(1.5)
@@ -418,7 +427,7 @@ def test_a_captured_spawn_replayed_to_its_agent_or_another_agent_of_the_mesh_for
     agent, process = start_local_agent(key, name="replay-test", persistent=False, lease=60)
     other, other_process = start_local_agent(key, name="replay-other", persistent=False, lease=60)
     port = agent["addr"].rsplit(":", 1)[1]
-    proxy = _RecordingProxy(agent["addr"], f"tcp://127.0.0.2:{port}")
+    proxy = _RecordingProxy(agent["addr"], f"tcp://127.0.0.2:{port}", key)
     hm = attach_to_workers([proxy.addr], key, name="replay-test")
     try:
         pm = hm.spawn_procs(per_host={"gpus": 1}, name="replayed")
@@ -428,7 +437,7 @@ def test_a_captured_spawn_replayed_to_its_agent_or_another_agent_of_the_mesh_for
         assert any(b"spawn" in f[0] for f in captured)
         for addr, proc in ((agent["addr"], process), (other["addr"], other_process)):
             children = _agent_children_of(proc.pid)
-            _replay(addr, captured, zmq.DEALER)
+            _replay(addr, captured, zmq.DEALER, proxy.key[0])
             assert _agent_children_of(proc.pid) == children, f"a replayed spawn forked procs ({addr})"
         assert c.bump.call().get(30).values() == [2]
     finally:
@@ -448,13 +457,19 @@ def _agent_children_of(pid: int) -> int:
 def _record_stamped(monkeypatch, rt) -> list:
     """(destination, frames) of every message this runtime sends, exactly as on the wire."""
     captured: list[tuple[bytes, list[bytes]]] = []
-    stamp = rt.keyring.stamp
+    stamp, sign_one = rt.keyring.stamp, rt.keyring.sign_one
 
     def recording(sealed, dest):
         frames = stamp(sealed, dest)
         captured.append((dest, [bytes(f) for f in frames]))
         return frames
+
+    def recording_one(key, header, dest):   # a message of one frame (call_one of plain values)
+        frame = sign_one(key, header, dest)
+        captured.append((dest, [frame]))
+        return frame
     monkeypatch.setattr(rt.keyring, "stamp", recording)
+    monkeypatch.setattr(rt.keyring, "sign_one", recording_one)
     return captured
 
 

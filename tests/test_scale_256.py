@@ -20,6 +20,7 @@ import pytest
 
 from monarch_kernel.actor import Actor, SupervisionError, endpoint
 from monarch_kernel.core.bootstrap import attach_to_workers
+from monarch_kernel.core.runtime import runtime
 
 sys.path.insert(0, os.path.dirname(__file__))
 import scale_hosts  # noqa: E402
@@ -115,6 +116,13 @@ def _exercise(hm, hosts) -> None:
     where = ranks.where.call().get(120).values()
     assert len(where) == N and len({pid for _, pid in where}) == N
     assert [h for h, _ in where] == [f"n{1 + r // PER_HOST}" for r in range(N)]   # rank order = host order
+    # The 8 hosts in a tree of width 2 (relays forward to their child agents over tcp + CURVE
+    # and merge their batches): the same 256 answers, in rank order.
+    os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"] = "2"
+    try:
+        assert ranks.where.call().get(120).values() == where
+    finally:
+        del os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"]
 
     # Memory per proc: forked from the zygote that imported torch, so most pages are shared.
     mem = [psutil.Process(pid).memory_full_info() for _, pid in where[::32]]
@@ -148,3 +156,25 @@ def _exercise(hm, hosts) -> None:
     assert time.monotonic() - t0 < 8.0
     assert len(ranks.slice(hosts=slice(2, 7)).where.call().get(60).values()) == 5 * PER_HOST
     hosts.cut("n8", up=True)
+
+    # A relay of the tree cut off mid-call: n3..n7 (rank 37 on n2 is dead) in a tree of width
+    # 2 make n6 the relay of n7. Its own ranks fail as a lost host's; n7's replies, sent into
+    # the cut relay, are sent again straight to us once it is declared lost.
+    os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"] = "2"
+    try:
+        fut = ranks.slice(hosts=slice(2, 7)).nap.call(2.0)
+        pending = runtime().pending_of(fut)
+        time.sleep(0.5)   # the call is down the tree
+        hosts.cut("n6")
+        t0 = time.monotonic()
+        with pytest.raises(SupervisionError, match="host lost"):
+            fut.get(20)
+        n6, n7 = range(3 * PER_HOST, 4 * PER_HOST), range(4 * PER_HOST, 5 * PER_HOST)   # in the slice
+        while not all(pending.answered[i] for i in n7) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert all(pending.answered[i] for i in n7), "the cut relay's subtree lost its replies"
+        assert [pending.results[i] for i in n7] == [None] * PER_HOST
+        assert all("host lost" in str(pending.results[i]) for i in n6)
+    finally:
+        del os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"]
+        hosts.cut("n6", up=True)

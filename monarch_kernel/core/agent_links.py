@@ -66,7 +66,7 @@ class AgentLink:
         thread, and with it every reply and agent of the process, some minutes after a host
         was lost."""
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.sock.send_multipart(curve.chunked(frames), zmq.NOBLOCK, copy=False)   # agents cap frames
             return True
         except zmq.Again:
             return False
@@ -86,6 +86,7 @@ class AgentLinks:
         self.links: dict[str, AgentLink] = {}
         self.outages: list[dict] = []   # hosts that were silent and came back (see _host_back)
         self.event_handlers: dict[str, Callable] = {"died": self._on_agent_died}
+        self.host_hooks: list[Callable] = []   # f(agent address, lost): Runtime.on_host_change
         self._ids = itertools.count(1)
         self._watch_socket, self._unwatch_socket = watch_socket, unwatch_socket
 
@@ -210,6 +211,14 @@ class AgentLinks:
                 link.lost_errors[key] = rt.dead[key]
         after = rt.calls.whats_pending()
         link.failed_while_lost.extend(w for i, w in before.items() if i not in after)
+        self._tell_hooks(link.addr, True)
+
+    def _tell_hooks(self, addr: str, lost: bool) -> None:
+        for hook in self.host_hooks:
+            try:
+                hook(addr, lost)
+            except Exception:
+                log.exception("host change hook failed")
 
     def _host_back(self, link: AgentLink, now: float):
         """A host declared lost answers again: its procs were never dead. Un-fail them, say
@@ -218,6 +227,7 @@ class AgentLinks:
         rt = self.rt
         silent = now - link.lost_since
         link.lost = False
+        self._tell_hooks(link.addr, False)
         back = [k for k, err in link.lost_errors.items() if rt.dead.get(k) is err]
         for k in back:
             del rt.dead[k]

@@ -6,14 +6,15 @@ from __future__ import annotations
 import os
 
 from .. import config
-from .hosts import HELLO_TIMEOUT_S, HostMesh, _gpu_count
+from .hosts import HELLO_TIMEOUT_S, HostMesh
 from .mesh import ProcMesh
+from .transport import gpu_count
 
 
 def default_per_host() -> dict:
     """What ``%mesh connect`` starts per host: one proc per visible GPU, else per CPU core
     (the dim is ``gpus`` either way, so code written for a GPU host runs unchanged)."""
-    return {"gpus": _gpu_count() or os.cpu_count() or 1}
+    return {"gpus": gpu_count() or os.cpu_count() or 1}
 
 
 def run_bootstrap(pm: ProcMesh, fn) -> None:

@@ -11,12 +11,16 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import threading
+from itertools import repeat
+from operator import sub
 from typing import Callable
 
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
 
 log = logging.getLogger("monarch_kernel")
+LATE_REPLY_S = 5.0   # a dead proc's reply announced by its agent (fan-in) fails if not here by then
 
 
 class PendingCall:
@@ -108,6 +112,29 @@ class PendingCall:
             self._finish()
         return True
 
+    def deliver_none_run(self, keys: list) -> bool:
+        """Replies of ``keys``, every one ok and ``None`` (a fan-in batch's columnar run):
+        ``deliver_many``'s outcome with C-level maps instead of a loop per member (results
+        start as None). True once every member has answered."""
+        answered = self.answered
+        try:
+            idx = list(map(self.index.__getitem__, keys))
+        except KeyError:
+            idx = None
+        if idx is None or any(map(answered.__getitem__, idx)):   # unknown or repeated: one by one
+            return self.deliver_many([(0, k, True, None) for k in keys])
+        list(map(answered.__setitem__, idx, repeat(1, len(idx))))
+        self.remaining -= len(idx)
+        done = self.future.done()
+        if self.queue is not None and not done:
+            for _ in idx:
+                self.queue.put((True, None))
+        if self.remaining > 0:
+            return False
+        if not done:
+            self._finish()
+        return True
+
     def _finish(self):
         if self.mode == "one":
             if self.failed:
@@ -129,6 +156,69 @@ class PendingCall:
             self.queue.put(None)
 
 
+class OneCall(Future):
+    """A call to a single member (``call_one``, ``choose``): PendingCall's behaviour for one
+    key without its per-member tables, and its own Future (the hot path of the reference
+    workload: one object a call). The tables are there, made on demand, for the rare reader
+    (answered_so_far, a death)."""
+
+    __slots__ = ("key", "replied", "value", "ok")
+    mode = "one"
+    queue = None
+    extent = None
+
+    def __init__(self, key: str, what: str, waiter):
+        super().__init__(what, waiter)
+        self.key = key
+        self.replied = False
+        self.value = None
+        self.ok = True
+
+    @property
+    def future(self) -> Future:
+        return self
+
+    def deliver(self, key: str, ok: bool, value) -> bool:
+        """Record the member's reply (or death); True once answered (the first answer wins)."""
+        if self.replied or key != self.key:
+            return False
+        self.replied, self.value, self.ok = True, value, ok
+        if ok:
+            self.set_result(value)
+        else:
+            self.set_exception(value)
+        return True
+
+    def deliver_many(self, replies: list) -> bool:
+        for _, key, ok, value in replies:
+            self.deliver(key, ok, value)
+        return self.replied
+
+    @property
+    def keys(self) -> list:
+        return [self.key]
+
+    @property
+    def index(self) -> dict:
+        return {self.key: 0}
+
+    @property
+    def results(self) -> list:
+        return [self.value]
+
+    @property
+    def answered(self) -> bytearray:
+        return bytearray((1 if self.replied else 0,))
+
+    @property
+    def failed(self) -> list:
+        return [] if self.ok else [0]
+
+    @property
+    def remaining(self) -> int:
+        return 0 if self.replied else 1
+
+
 class Calls:
     """Pending calls by id, how many calls each proc owes (``outstanding``, for choose()),
     the dead procs and their errors, and the failures still to surface."""
@@ -141,6 +231,7 @@ class Calls:
         self.outstanding: collections.Counter = collections.Counter()
         self.dead: dict[str, SupervisionError] = {}
         self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
+        self.replied_before_death: dict[str, set] = {}   # proc -> calls whose reply is on its way
         self._unhandled: list[BaseException] = []
 
     def new_call(self, keys: list[str], extent, mode: str, what: str) -> tuple[int, PendingCall]:
@@ -154,6 +245,13 @@ class Calls:
                 out[k] += 1
         else:
             out.update(keys)   # +1 for each member, counted in C (its checks cost ~5 us)
+        return call_id, p
+
+    def new_one(self, key: str, what: str) -> tuple[int, OneCall]:
+        """``new_call([key], ..., "one", what)`` for a single member, with less to set up."""
+        call_id = next(self._ids)
+        p = self._pending[call_id] = OneCall(key, what, self._waiter)
+        self.outstanding[key] += 1
         return call_id, p
 
     def pending_count(self) -> int:
@@ -207,6 +305,30 @@ class Calls:
                     pending.pop(call_id, None)
             start = end
 
+    def on_none_run(self, call_id: int, keys: list) -> None:
+        """A run of one call's replies, all ok and None (core/fanout.py): see deliver_none_run."""
+        p = self._pending.get(call_id)
+        if p is None:
+            return
+        out = self.outstanding   # out[k] -= 1 for each key, in C (a run's keys are distinct)
+        dict.update(out, zip(keys, map(sub, map(out.__getitem__, keys), repeat(1))))
+        if p.deliver_none_run(keys):
+            self._pending.pop(call_id, None)
+
+    def is_pending(self, call_id: int) -> bool:
+        return call_id in self._pending
+
+    def unanswered(self, replies: list) -> list:
+        """Of replies ``(call_id, key, ...)`` sent again (a lost relay, core/fanout.py), those
+        of pending calls not yet answered by that member."""
+        out = []
+        for r in replies:
+            p = self._pending.get(r[0])
+            i = p.index.get(r[1]) if p is not None else None
+            if i is not None and not p.answered[i]:
+                out.append(r)
+        return out
+
     def whats_pending(self) -> dict[int, str]:
         """id(call) -> what, of every pending call (to report what a lost host failed)."""
         return {id(p): p.what for p in self._pending.values()}
@@ -219,14 +341,28 @@ class Calls:
         err = SupervisionError(failure, hint or "Call respawn() on its ProcMesh to replace it; "
                                                 "the other ranks keep their state")
         self.dead[key] = err
+        late = self.replied_before_death.pop(key, None)
         for call_id, p in list(self._pending.items()):
+            if late and call_id in late:
+                continue   # it replied before dying: the reply is on its way through the agents
             if key in p.index and p.deliver(key, False, err):
                 self._pending.pop(call_id, None)
+        if late:   # ... unless it never comes (lost with its host): then it fails after all
+            t = threading.Timer(LATE_REPLY_S, self._fail_late, (key, err, late))
+            t.daemon = True
+            t.start()
         for fn in list(self.death_listeners):
             try:
                 fn(key, err)
             except Exception:
                 log.exception("death listener failed")
+        self._wake_reader()
+
+    def _fail_late(self, key: str, err: SupervisionError, call_ids: set) -> None:
+        for call_id in call_ids:
+            p = self._pending.get(call_id)
+            if p is not None and key in p.index and p.deliver(key, False, err):
+                self._pending.pop(call_id, None)
         self._wake_reader()
 
     # ---------------------------------------------------------------- unhandled failures

@@ -12,10 +12,10 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from . import fanout, wire
+from .calls import OneCall
 from .errors import MeshGoneError
 from .future import Future
 from .runtime import PendingCall, Runtime, runtime
-from .shape import Extent
 from .values import ValueMesh
 
 if TYPE_CHECKING:
@@ -24,6 +24,22 @@ if TYPE_CHECKING:
 SPAWN_TIMEOUT_S = 120.0
 _KEY = attrgetter("key")
 T = TypeVar("T")
+
+def _ready_to_send(am, rt):
+    """The checks every send makes first: an unhandled failure to raise, a stopped mesh, a
+    spawn still running on another thread (wait for it, so sends are ordered after it).
+    Returns the mesh's init error (None when it started), for the caller to match against
+    the ranks it sends to."""
+    if rt.role == "controller" and rt.has_unhandled():
+        rt.raise_unhandled()
+    if am.stopped:
+        raise MeshGoneError(f"actor mesh '{am.name}' was stopped")
+    init = am.initialized
+    if init is not None and not init.done() and threading.get_ident() != am.spawn_thread:
+        _wait_initialized(am)   # another thread's sends are not ordered after the spawn
+    am.used = True
+    return am.init_error
+
 
 def _wait_initialized(am: ActorMeshState) -> None:
     try:
@@ -36,10 +52,13 @@ class Endpoint(Generic[T]):
     """``mesh.method``: call it with an adverb (``call``, ``call_one``, ``choose``,
     ``stream``, ``broadcast``)."""
 
-    __slots__ = ("_mesh", "_name", "_explicit")
+    __slots__ = ("_mesh", "_name", "_explicit", "_method", "_what", "_one")
 
     def __init__(self, mesh: ActorMesh, name: str, explicit: bool = False):
         self._mesh, self._name, self._explicit = mesh, name, explicit
+        self._method = EXPLICIT_PORT_MARK + name if explicit else name
+        self._what = f"{mesh._state.name}.{name}"
+        self._one: int | None = None   # call_one: the rank of the mesh's only member, once checked
 
     def __call__(self, *a, **k):
         raise TypeError(f"call an endpoint with an adverb: {self._name}.call(...) (all members, a "
@@ -50,28 +69,19 @@ class Endpoint(Generic[T]):
         am = self._mesh._state
         ps = am.proc_state
         rt = runtime()
-        if rt.role == "controller" and rt.has_unhandled():
-            rt.raise_unhandled()
-        if am.stopped:
-            raise MeshGoneError(f"actor mesh '{am.name}' was stopped")
-        init = am.initialized
-        if init is not None and not init.done() and threading.get_ident() != am.spawn_thread:
-            _wait_initialized(am)   # another thread's sends are not ordered after the spawn
-        am.used = True
-        err = am.init_error
+        err = _ready_to_send(am, rt)
         if err is not None and (am.failed_ranks is None or not am.failed_ranks.isdisjoint(ranks)):
             _consume_unhandled(rt, err)
             raise err
         refs = ps.check(ranks)
         keys = list(map(_KEY, refs))
-        what = f"{am.name}.{self._name}"
+        what = self._what
         if reply:
             call_id, pending = rt.new_call(keys, extent, mode, what)
         else:
             call_id, pending = port or 0, None
-        method = EXPLICIT_PORT_MARK + self._name if self._explicit else self._name
         # messages.Call as a literal, in field order: the hot path of every call
-        msg = ("call", am.id, method, args, kwargs, rt.address, call_id, wire.SOURCES)
+        msg = ("call", am.id, self._method, args, kwargs, rt.address, call_id, wire.SOURCES)
         try:
             fanout.send(rt, ps.key, msg, refs, 5)   # one message per host past a few members
         except BaseException as e:
@@ -88,18 +98,56 @@ class Endpoint(Generic[T]):
         view = self._mesh._view
         return self._send(view.ranks, view.extent, "mesh", args, kwargs).future
 
+    def _send_one(self, rank: int, args, kwargs) -> OneCall:
+        """``_send`` for a single member, lean (the reference workload's path): the same checks
+        and failures, one message to one proc; arguments of plain values are pickled in one C
+        call and signed in one pass."""
+        am = self._mesh._state
+        rt = runtime()
+        err = _ready_to_send(am, rt)
+        if err is not None and (am.failed_ranks is None or rank in am.failed_ranks):
+            _consume_unhandled(rt, err)
+            raise err
+        ps = am.proc_state
+        if ps.stopped:
+            ps.check(())   # raises what a call to a stopped proc mesh meets
+        ref = ps.procs[rank]
+        key = ref.key
+        dead = rt.dead
+        if dead and key in dead:
+            raise dead[key]
+        call_id, pending = rt.new_one(key, self._what)
+        try:
+            if (not args and not kwargs) or wire.plain(args, kwargs):
+                # messages.Call as a literal, in field order (no sources: nothing is pickled by value)
+                rt.send_plain(ref.work, ps.key, ("call", am.id, self._method, args, kwargs, rt.address, call_id,
+                                                 None))
+            else:
+                msg = ("call", am.id, self._method, args, kwargs, rt.address, call_id, wire.SOURCES)
+                rt.send_frames(ref.work, rt.pack(ps.key, msg, (ref.work,)))
+        except BaseException as e:
+            rt.abandon(call_id)
+            _explain_unpicklable(e, args, kwargs, am.endpoints.get(self._name, (False, ()))[1], self._what)
+            raise
+        if dead and key in dead:   # died between the check and the send: fail it now
+            pending.deliver(key, False, dead[key])
+        return pending
+
     def call_one(self, *args, **kwargs) -> Future[T]:
-        view = self._mesh._view
-        if len(view) != 1:
-            raise ValueError(f"call_one needs a mesh of exactly 1 member; '{self._mesh.name}' has "
-                             f"{len(view)} ({view.describe()}). Slice it first, e.g. "
-                             f"mesh.slice({view.labels[0] if view.labels else 'gpus'}=0), or use call()")
-        return self._send(view.ranks, view.extent, "one", args, kwargs).future
+        rank = self._one
+        if rank is None:
+            view = self._mesh._view
+            if len(view) != 1:
+                raise ValueError(f"call_one needs a mesh of exactly 1 member; '{self._mesh.name}' has "
+                                 f"{len(view)} ({view.describe()}). Slice it first, e.g. "
+                                 f"mesh.slice({view.labels[0] if view.labels else 'gpus'}=0), or use call()")
+            rank = self._one = view.ranks[0]
+        return self._send_one(rank, args, kwargs)   # a OneCall is the call's Future
 
     def choose(self, *args, **kwargs) -> Future[T]:
         """One member, the least busy (fewest calls of ours in flight)."""
         best = self._mesh._least_busy()._view.ranks[0]
-        return self._send([best], Extent((), ()), "one", args, kwargs).future
+        return self._send_one(best, args, kwargs)
 
     def stream(self, *args, **kwargs) -> Stream[T]:
         """Every member; yields a (done) Future per member as each reply arrives, as

@@ -27,20 +27,22 @@ class _Failed(NamedTuple):
 
 _State = Union[_Pending, _Complete, _Failed]
 _PENDING = _Pending()
+_new_state = tuple.__new__
+_Lock = threading.Lock
 
 
 class Future(Generic[T]):
     __slots__ = ("_state", "_lock", "_cond", "_callbacks", "_what", "_waiter")
 
-    def __init__(self, what: str = "call"):
+    def __init__(self, what: str = "call", waiter: Callable[[Future, float | None], None] | None = None):
         self._state: _State = _PENDING
-        self._lock = threading.Lock()
+        self._lock = _Lock()
         self._cond: threading.Condition | None = None
         self._callbacks: list | None = None
         self._what = what
         # Set by the runtime: lets a thread blocked in get() receive its own replies
         # instead of being woken by the I/O thread (one thread hop less per call).
-        self._waiter: Callable[[Future, float | None], None] | None = None
+        self._waiter = waiter
 
     # -- resolving (runtime side) -------------------------------------------------------
     def _resolve(self, state: _State) -> bool:
@@ -49,19 +51,21 @@ class Future(Generic[T]):
                 return False
             self._state = state
             cond, callbacks = self._cond, self._callbacks
-            self._callbacks = None
+            if callbacks is not None:
+                self._callbacks = None
             if cond is not None:
                 with cond:
                     cond.notify_all()
-        for cb in callbacks or ():
-            cb(self)
+        if callbacks is not None:
+            for cb in callbacks:
+                cb(self)
         return True
 
     def set_result(self, value) -> bool:
-        return self._resolve(_Complete(value))
+        return self._resolve(_new_state(_Complete, (value,)))   # _Complete(value), without its Python __new__
 
     def set_exception(self, error: BaseException) -> bool:
-        return self._resolve(_Failed(error))
+        return self._resolve(_new_state(_Failed, (error,)))
 
     # -- waiting (user side) --------------------------------------------------------------
     def done(self) -> bool:

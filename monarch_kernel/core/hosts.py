@@ -14,7 +14,7 @@ import threading
 import uuid
 
 from .. import config
-from . import fanout
+from . import fanout, host_recovery
 from .connection import (
     agent_alive,
     check_name,
@@ -26,7 +26,6 @@ from .errors import HostUnreachableError, MeshFailure, MeshGoneError
 from .extensions import start_local_agent
 from .future import Future
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
-from .messages import Replaced, Spawn
 from .runtime import ProcRef, pid_alive, pid_space, runtime
 from .shape import Extent
 
@@ -304,83 +303,13 @@ class HostMesh:
             rt.agent_send(addr, self._key, "register", st.id, None)
 
     def respawn_dead(self, st: ProcMeshState) -> None:
-        rt = runtime()
-        dead = [r for r in st.procs if r.key in rt.dead]
-        if not dead or st.stopped:
-            return
-        by_agent: dict[str, list[ProcRef]] = {}
-        for r in dead:
-            by_agent.setdefault(r.agent, []).append(r)
-        futs = [(refs, rt.agent_request(addr, self._key, "respawn", [r.key for r in refs], rt.contact))
-                for addr, refs in by_agent.items()]
-        replaced: list[tuple[ProcRef, ProcRef]] = []
-        for old, f in futs:
-            try:
-                new = f.get(60)
-            except HostUnreachableError as e:
-                raise MeshGoneError(f"cannot respawn proc mesh '{st.name}': {e}. respawn() replaces dead "
-                                    f"procs on a live host. {self._restart_hint()}") from None
-            replaced.extend(zip(sorted(old, key=lambda r: r.rank), sorted(new, key=lambda r: r.rank)))
-        rt.forget_procs([old for old, _ in replaced])   # first: a new proc may reuse an old port
-        rt.register_procs([n for _, n in replaced], self._key)
-        for old, new in replaced:
-            st.procs[new.rank] = new
-            rt.dead.pop(old.key, None)
-        # Re-create the actors that lived on the replaced procs, with their original arguments.
-        new_by_rank = {n.rank: n for _, n in replaced}
-        for am in list(st.actor_meshes.values()):
-            targets = [new_by_rank[r] for r in am.view.ranks if r in new_by_rank]
-            if not targets or am.stopped or am.body is None:
-                continue
-            keys = [t.key for t in targets]
-            call_id, pending = rt.new_call(keys, Extent(("ranks",), (len(keys),)), "mesh",
-                                           f"respawn of '{am.name}'")
-            frames = rt.pack(self._key, Spawn.make(am.id, am.name, am.body, am.view, rt.address, call_id))
-            for t in targets:
-                rt.send_frames(t.work, frames)
-            pending.future.get(120)
-        # Tell every live proc where the replacements are, and the agents' registries.
-        for old, new in replaced:
-            for ref in st.procs:
-                if ref.key not in rt.dead:
-                    rt.send(ref.ctrl, self._key, Replaced.make(old.key, new, self._key))
-        for addr in st.agents():
-            rt.agent_send(addr, self._key, "register", st.id, st.record())
+        """Replace the dead procs of ``st`` on their live hosts, with their actors."""
+        host_recovery.respawn_dead(st, self._key, self._restart_hint())
 
     def _adopt_registry(self) -> None:
         """On attach: rebuild handles for the proc and actor meshes the agents know."""
-        rt = runtime()
-        merged: dict[str, dict] = {}
-        for info in self._infos:
-            for mid, rec in info.get("registry", {}).items():
-                m = merged.setdefault(mid, {"actors": {}})
-                for k, v in rec.items():
-                    if k == "actors":
-                        m["actors"].update(v)
-                    else:
-                        m[k] = v
-        dead_keys = {}
-        for info in self._infos:
-            dead_keys.update(info.get("dead", {}))
-        for mid, rec in merged.items():
-            if "procs" not in rec:
-                continue
-            st = rt.mesh_states.get(mid) or ProcMeshState(mid, rec["name"], self._key, rec["labels"],
-                                                           rec["sizes"], rec["procs"])
-            st.host_mesh = self
-            rt.mesh_states[mid] = st
-            rt.register_procs(st.procs, self._key)
-            self._proc_meshes[mid] = st
-            for aid, arec in rec["actors"].items():
-                if aid not in st.actor_meshes:
-                    am = ActorMeshState(aid, arec["name"], arec["class_name"], arec["endpoints"], st,
-                                        arec["view"])
-                    am.body = arec.get("body")
-                    st.actor_meshes[aid] = am
-            for ref in st.procs:
-                if ref.key in dead_keys:
-                    rt.proc_failed(ref.key, MeshFailure(st.name, ref.rank, ref.host, ref.pid,
-                                                        "proc died while no controller was attached", ref.key))
+        for st in host_recovery.adopt_registry(self, self._infos, self._key):
+            self._proc_meshes[st.id] = st
 
     def __repr__(self):
         kind = "persistent" if self.persistent else "private"
@@ -408,13 +337,6 @@ def named_host_mesh(name: str) -> HostMesh | None:
 def remember_host_mesh(name: str, hm: HostMesh) -> None:
     """Know ``hm`` by ``name`` from now on (a job's meshes, so attach(name) finds them)."""
     _named[name] = hm
-
-
-def _gpu_count() -> int:
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
 
 
 def this_host(name: str | None = None, *, lease: float | None = None) -> HostMesh:

@@ -43,6 +43,8 @@ log = logging.getLogger("monarch_kernel")
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums cost on the hot path
 _NOBLOCK = int(zmq.NOBLOCK)
+_get_ident = threading.get_ident
+_SHORT_POLL_MS = 10   # the I/O thread's poll while a user thread reads the inbox (or just did): _poll_ms
 
 
 class Inbox:
@@ -56,11 +58,13 @@ class Inbox:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
         self.curve_public = curve.process_keys()[0].decode() if curve.wanted(bind_host) else ""
+        # tcp: CURVE, and frames capped before any handshake (curve.py); senders cut large ones.
         self.address = curve.with_key(curve.bind(self.sock, f"tcp://{bind_host}:*",
-                                                 curve.process_keys()[1] if self.curve_public else None),
+                                                 curve.process_keys()[1] if self.curve_public else None,
+                                                 curve.MAX_FRAME),
                                       self.curve_public)
-        # Peers on this host reach the inbox over ipc (an abstract socket: no file to leak,
-        # scoped to this network namespace), 5-30 us quicker a round trip than tcp here.
+        # Peers on this host reach the inbox over ipc (a socket file in a directory only this
+        # user enters, transport.ipc_dir), 5-30 us quicker a round trip than tcp here.
         self.ipc_address = ipc_name("inbox")
         self.sock.bind(self.ipc_address)
         keyring.accept("inbox", wire.dest_id(self.address), wire.dest_id(self.ipc_address))
@@ -89,6 +93,7 @@ class Inbox:
         self._wake_self: Callable[[], None] = _noop
         self._agents = None
         self._thread: threading.Thread | None = None
+        self._io_ident: int | None = None
 
     def start(self, dispatch: Callable, agents, wake_self: Callable[[], None]) -> None:
         """Start the I/O thread. ``dispatch(msg)`` handles an inbox message; ``agents``: the
@@ -101,6 +106,7 @@ class Inbox:
             p.register(self._wake_r, zmq.POLLIN)
         self._thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._thread.start()
+        self._io_ident = self._thread.ident
 
     def is_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -193,18 +199,21 @@ class Inbox:
     def _poll_ms(self, have: bool, next_tick: float) -> int:
         """How long the I/O thread may sleep in poll. While a user thread has read the inbox
         for over 10 ms (a call to hundreds of procs), it sleeps up to the next heartbeat tick
-        (at most 50 ms) instead of waking every 2 ms to see whether the inbox came back: the
-        waiter kicks it when it lets go (``_unwant``). Shorter waits keep the 2 ms polls, so
-        back-to-back small calls cost no kick."""
+        (at most 50 ms) instead of waking to see whether the inbox came back: the waiter kicks
+        it when it lets go (``_unwant``). Shorter waits keep _SHORT_POLL_MS polls, so
+        back-to-back small calls cost no kick; after the last of them, what nobody waits for
+        (output, a callback's reply) is read within that time. 10 ms rather than 2: a
+        ``call_one`` loop woke the I/O thread (and took the GIL from the caller) every 2 ms,
+        2-3 µs of CPU a call."""
         if have or not self._wanted_recently():
             return 100
         now = time.monotonic()
         if not self._wanted or now - self._wanted_since < 0.01:
-            return 2
+            return _SHORT_POLL_MS
         self._long_poll = True
         if not self._wanted:   # let go meanwhile (it saw no long poll to kick): stay short
             self._long_poll = False
-            return 2
+            return _SHORT_POLL_MS
         return max(2, min(50, int((next_tick - now) * 1000)))
 
     def _want(self) -> None:
@@ -237,8 +246,8 @@ class Inbox:
         it only while nobody waits and gives it up when kicked through the wake pipe; a
         second waiting thread leaves the inbox to the first and waits on its future.
         """
-        me = threading.get_ident()
-        if threading.current_thread() is self._thread or self._holder == me:
+        me = _get_ident()
+        if me == self._io_ident or self._holder == me:
             return  # re-entrant (a handler waiting): fall back to the plain wait
         deadline = None if timeout is None else time.monotonic() + timeout
         done = fut.done
@@ -269,21 +278,32 @@ class Inbox:
             self._unwant()
 
     def _pump(self, fut: Future, deadline, timeout) -> None:
-        inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
-        events, POLLIN, zpoll, poll_in = _EVENTS, _POLLIN, zmq.zmq_poll, [(self.sock, _POLLIN)]
-        if self._nested_work is not None and threading.get_ident() == self._nested_thread:
+        if self._nested_work is not None and _get_ident() == self._nested_thread:
             return self._pump_nested(fut, deadline, timeout)
+        inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
         done = fut.done
+        if deadline is None:
+            # No deadline (the usual get()): a blocking recv (what a poll without timeout waited
+            # for anyway, at a few system calls less); whoever resolves fut otherwise sends us a
+            # "wake".
+            while not done():
+                if self._wait_hook_due:
+                    hook = self._wait_hook
+                    if hook is not None and hook[0] == _get_ident():
+                        return
+                msg = opener(recv(inbox), "inbox")
+                if msg is not None and type(msg) is tuple:
+                    dispatch(msg)
+            return
+        events, POLLIN, zpoll, poll_in = _EVENTS, _POLLIN, zmq.zmq_poll, [(self.sock, _POLLIN)]
         while not done():
             if self._wait_hook_due:
                 hook = self._wait_hook
-                if hook is not None and hook[0] == threading.get_ident():
+                if hook is not None and hook[0] == _get_ident():
                     return
-            if deadline is not None and not inbox.getsockopt(events) & POLLIN:
+            if not inbox.getsockopt(events) & POLLIN:
                 if not zpoll(poll_in, _ms_left(deadline, fut, timeout)):
                     continue
-            # No deadline: a blocking recv (what a poll without timeout waited for anyway, at
-            # a few system calls less); whoever resolves fut otherwise sends us a "wake".
             msg = opener(recv(inbox), "inbox")
             if msg is not None and type(msg) is tuple:
                 dispatch(msg)
@@ -350,8 +370,8 @@ class Inbox:
                     os.write(self._wake_w, b"i")
             try:
                 pub = curve.process_keys()[0].decode() if curve.wanted(host) else ""
-                addr = curve.with_key(curve.bind(self.sock, f"tcp://{host}:*",
-                                                 curve.process_keys()[1] if pub else None), pub)
+                addr = curve.with_key(curve.bind(self.sock, f"tcp://{host}:*", curve.process_keys()[1] if pub
+                                                 else None, curve.MAX_FRAME), pub)
                 self.keyring.accept("inbox", wire.dest_id(addr))
             finally:
                 self._lock.release()

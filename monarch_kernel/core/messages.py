@@ -284,6 +284,12 @@ class Fan(NamedTuple):
     call_id: int
     header: bytes          # the inner message's pickled header (the agent never unpickles it)
     buffers: list
+    # Hosts forming a tree (node/fantree.py): what this agent forwards to its child agents,
+    # [(their fan contact, their keys, their own children)]; its parent agent's fan contact
+    # (None: reply to the controller itself); the send's number (an agent acts on it once).
+    children: list = ()
+    parent: Any = None
+    send_id: int = 0
 
 
 @message("rv")
@@ -300,6 +306,25 @@ class FannedReply(NamedTuple):
 @message("rb")
 class ReplyBatch(NamedTuple):
     """A host's replies and output, in order, one signed batch (agent -> the caller's inbox)."""
+    kind: str
+    items: list
+    buffers: list
+
+
+@message("ub")
+class UpBatch(NamedTuple):
+    """A child agent's batch for ``dest``, to its parent agent's fan inbox (a tree of hosts):
+    merged as it is into the parent's own batch, values unopened."""
+    kind: str
+    dest: str
+    items: list
+    buffers: list
+
+
+@message("rr")
+class ResentBatch(NamedTuple):
+    """Replies an agent had sent to a parent agent that was lost, sent again to the caller
+    (``ReplyBatch``'s shape, replies only); the caller keeps those it did not have."""
     kind: str
     items: list
     buffers: list
@@ -332,6 +357,8 @@ HANDLERS: dict[str, str] = {
     "fan": "monarch_kernel.node.fanout:FanRelay._drain_fan",
     "rv": "monarch_kernel.node.fanout:FanRelay._drain_gather",
     "rb": "monarch_kernel.core.fanout:_on_batch",
+    "ub": "monarch_kernel.node.fanout:FanRelay._from_child",
+    "rr": "monarch_kernel.core.fanout:_on_batch",
 }
 # Kinds features register (extensions.register_message_kind / Runtime.on_message) are
 # declared beside their handlers: "dbg", "dbg_in", "dbg_pm" (debug/), "dap_src" (debug/

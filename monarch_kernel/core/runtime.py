@@ -68,9 +68,10 @@ class Runtime:
         self.contact = [self.address, self.ipc_address, self.host_id, self.curve_public]   # how peers reach us
         # The hot paths, bound once (no extra call per message).
         self.send, self.send_frames, self.pack = transport.send, transport.send_frames, transport.pack
-        self.pack_to = transport.pack_to
+        self.pack_to, self.send_plain = transport.pack_to, transport.send_plain
         self.learn_contact = transport.learn_contact
         self.new_call, self.abandon, self.proc_failed = calls.new_call, calls.abandon, calls.proc_failed
+        self.new_one = calls.new_one
         self.pending_of, self.answered_so_far = calls.pending_of, calls.answered_so_far
         self.raise_unhandled, self.has_unhandled = calls.raise_unhandled, calls.has_unhandled
         self.wait_for, self.call_in_io = inbox.wait_for, inbox.call_in_io
@@ -99,6 +100,11 @@ class Runtime:
     def on_agent_event(self, event: str, handler: Callable, *, replace: bool = False) -> None:
         """Handle agent events ``event`` with ``handler(link, *args)`` (I/O thread)."""
         self._install(self.agent_event_handlers, "agent event", event, handler, replace)
+
+    def on_host_change(self, handler: Callable) -> None:
+        """Call ``handler(agent address, lost)`` when a host is declared lost (True) or
+        answers again (False), on the I/O thread, after its procs' futures were failed."""
+        self._agents.host_hooks.append(handler)
 
     @staticmethod
     def _install(table: dict, what: str, kind: str, handler: Callable, replace: bool) -> None:
@@ -171,7 +177,9 @@ class Runtime:
 
         A job's launcher calls it with the local address that routes to the job's hosts
         (a notebook's runtime starts on loopback, before any job exists). Procs and agents
-        that already know the old address keep using it: it stays bound.
+        that already know the old address keep using it: it stays bound. Same-host peers
+        keep reaching us over ipc or loopback whatever address they are handed later (the
+        address carries our CURVE key, by which they know us: Transport.local_by_key).
         """
         if host == self.bind_host:
             return self.address

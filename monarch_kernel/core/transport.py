@@ -2,13 +2,20 @@
 
 Any thread may send. zmq sockets are not thread-safe, so each thread has its own PUSH
 socket per destination (``Transport.sender``), and messages from one sender thread to
-one destination arrive in order. Same-host peers are reached over ipc (an abstract
-socket: no file to leak, 5-30 us quicker a round trip than tcp here); tcp links that
-leave the host use CURVE when the peer published a key (curve.py).
+one destination arrive in order. Same-host peers are reached over ipc (5-30 us quicker a
+round trip than tcp here): socket files in a directory only this user can enter
+(``ipc_dir``), so another user of the host cannot connect at all; tcp links use CURVE
+(curve.py). Large frames go over tcp in pieces (curve.chunked): tcp endpoints cap a frame
+before any authentication (curve.MAX_FRAME).
 """
 from __future__ import annotations
 
+import atexit
+import errno
 import os
+import pickle
+import socket
+import stat
 import threading
 import uuid
 from typing import Callable, NamedTuple
@@ -17,6 +24,10 @@ import zmq
 
 from .. import config
 from . import curve, wire
+
+_SEND = zmq.backend.Socket.send   # the C send, without pyzmq's Python wrapper (~1 us a message)
+_dumps = pickle.dumps
+_DEST_IDS = wire.DEST_IDS
 
 # Same-host peers talk over ipc; 0 forces tcp (to measure the tcp path, e.g. with CURVE, on one host).
 SAME_HOST_IPC = config.SAME_HOST_IPC.get()
@@ -47,6 +58,10 @@ class Transport:
         self.keyring = keyring
         self.host_id = host
         self.ipc_alias: dict[str, str] = {}       # tcp address -> ipc address, for same-host peers
+        # A same-host runtime inbox by its CURVE key (one per process): reached the same way
+        # when it hands out another tcp address later (Runtime.listen_on), so our replies do
+        # not depend on the network it listens on then.
+        self.local_by_key: dict[str, str] = {}
         self.curve_servers: dict[str, str] = {}   # tcp address -> its CURVE public key (curve.py)
         self._run_in_io = run_in_io
         self._tls = threading.local()
@@ -66,7 +81,7 @@ class Transport:
         # Keyed by where we really connect: a tcp port can be reused by a new proc on this
         # host with a new ipc name, and a socket cached by the tcp address would still send
         # to the old one.
-        target = self.ipc_alias.get(addr, addr)
+        target = self.ipc_alias.get(addr) or self._same_host(addr)
         s = socks.get(target)
         if s is None:
             s = self.ctx.socket(zmq.PUSH)
@@ -92,14 +107,37 @@ class Transport:
         if type(frames) is wire.Sealed:   # bound to this destination (no replay to another socket)
             frames = self.keyring.stamp(frames, wire.dest_id(addr))
         if len(frames) == 1:
-            self.sender(addr).send(frames[0])   # small header: a copy beats a zero-copy Frame
+            _SEND(self.sender(addr), frames[0])   # small header: a copy beats a zero-copy Frame
         else:
+            if (self.ipc_alias.get(addr) or self._same_host(addr))[:4] == "tcp:":
+                frames = curve.chunked(frames)
             self.sender(addr).send_multipart(frames, copy=False)
 
     def send(self, addr: str, key: bytes, msg) -> None:
         self.send_frames(addr, self.pack(key, msg))
 
+    def send_plain(self, addr: str, key: bytes, msg: tuple) -> None:
+        """Send a message of plain values only (``wire.plain``: nothing needs our picklers),
+        pickled in one C call, signed for ``addr`` and sent in one pass (the hot path of
+        call_one and of a proc's reply)."""
+        header = _dumps(msg, 5)
+        if len(header) < wire.SMALL_COPY:
+            dest = _DEST_IDS.get(addr) or wire.dest_id(addr)
+            _SEND(self.sender(addr), self.keyring.sign_one(key, header, dest))
+        else:
+            self.send_frames(addr, self.keyring.seal(key, [header]))
+
     # ----------------------------------------------------------------- the address book
+    def _same_host(self, addr: str) -> str:
+        """``addr``, or how we reach it on this host when it is another address of a runtime
+        inbox we know here (same CURVE key)."""
+        key = addr.partition("?curve=")[2]
+        local = self.local_by_key.get(key) if key else None
+        if local is None or local == addr:
+            return addr
+        self.ipc_alias[addr] = local
+        return local
+
     def learn_proc(self, r: ProcRef) -> None:
         """A proc we may send to: its ipc names (same host) and CURVE key (remote)."""
         for a in (r.work, r.ctrl, r.work_ipc, r.ctrl_ipc):   # a reused port is live again
@@ -117,6 +155,10 @@ class Transport:
             addr, ipc, hid = contact[:3]
             if ipc and hid == self.host_id and SAME_HOST_IPC:
                 self.ipc_alias[addr] = ipc
+            key = addr.partition("?curve=")[2]
+            if key and hid == self.host_id and key not in self.local_by_key:
+                # the first address we learn is the one it started with (loopback, or ipc)
+                self.local_by_key[key] = ipc if ipc and SAME_HOST_IPC else addr
             if len(contact) > 3 and contact[3]:
                 self.curve_servers[addr] = contact[3]
             return addr
@@ -155,20 +197,23 @@ _HOST_ID: str | None = None
 _PID_SPACE: str | None = None
 
 
-def _boot_and_ns(ns: str) -> str:
-    """This machine (boot id) and its namespace ``ns`` of this process; "" where unknown."""
+def _boot_and_ns(*nss: str) -> str:
+    """This machine (boot id) and the namespaces ``nss`` of this process; "" where unknown."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{f.read().strip()}:{os.stat(f'/proc/self/ns/{ns}').st_ino}"
+            return ":".join([f.read().strip(), *(str(os.stat(f"/proc/self/ns/{ns}").st_ino) for ns in nss)])
     except OSError:
         return ""
 
 
 def host_id() -> str:
-    """This machine (boot id) and network namespace: where an abstract ipc name resolves."""
+    """Where our ipc names resolve, and another process may use them: this machine (boot
+    id), network and mount namespace, and user (the socket files are in a directory only
+    this user may enter). Peers with another host id use tcp."""
     global _HOST_ID
     if _HOST_ID is None:
-        _HOST_ID = _boot_and_ns("net")
+        b = _boot_and_ns("net", "mnt")
+        _HOST_ID = f"{b}:{os.geteuid()}" if b else ""
     return _HOST_ID
 
 
@@ -180,8 +225,101 @@ def pid_space() -> str:
     return _PID_SPACE
 
 
+# --------------------------------------------------------------------- ipc socket files
+_IPC_DIR: list = []     # [directory] once made and checked
+_BOUND: list = []       # (pid, path) of the socket files this process made (removed at exit)
+_SUN_PATH_MAX = 107     # bytes in a unix socket path (Linux)
+
+
+def ipc_dir() -> str:
+    """The directory of this user's same-host sockets, made 0700 on first use:
+    MONARCH_KERNEL_IPC_DIR, or /tmp/monarch-kernel-<uid>. One that is not ours, is a link,
+    or that other users may enter is refused (another user could connect, or swap files).
+    Socket files left by processes that died without closing them are removed here, once a
+    process (procs excepted: their agent removes theirs when it reaps them)."""
+    if _IPC_DIR:
+        return _IPC_DIR[0]
+    d = config.IPC_DIR.get() or f"/tmp/monarch-kernel-{os.geteuid()}"
+    d = os.path.abspath(os.path.expanduser(str(d)))
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"{d} (for this user's ipc sockets) is not a directory owned by uid {os.geteuid()} with mode "
+            f"0700 (it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): another user could reach or "
+            f"replace the sockets in it. Remove it, or set {config.IPC_DIR.env} to a directory of yours")
+    if len(d) > _SUN_PATH_MAX - 40:
+        raise ValueError(f"{config.IPC_DIR.env}={d} is too long for unix socket paths ({len(d)} bytes; "
+                         f"at most {_SUN_PATH_MAX - 40}): choose a shorter directory")
+    _IPC_DIR.append(d)
+    if not config.AGENT_PID.get():
+        sweep_ipc_dir()
+    return d
+
+
 def ipc_name(what: str) -> str:
-    return f"ipc://@monarch-kernel-{os.getpid()}-{what}-{uuid.uuid4().hex[:8]}"
+    """A new ipc endpoint of this process, ``<pid>-<what>-<random>`` in ``ipc_dir``."""
+    path = f"{ipc_dir()}/{os.getpid()}-{what}-{uuid.uuid4().hex[:6]}"
+    if not _BOUND:
+        atexit.register(_remove_own)
+    _BOUND.append((os.getpid(), path))
+    return "ipc://" + path
+
+
+def _remove_own() -> None:
+    pid = os.getpid()
+    for owner, path in _BOUND:
+        if owner == pid:
+            _unlink(path)
+
+
+def remove_ipc_files(pid: int) -> None:
+    """The socket files of ``pid`` (a proc its agent reaped: it may have died without closing them)."""
+    prefix = f"{pid}-"
+    try:
+        d = ipc_dir()
+        names = [n for n in os.listdir(d) if n.startswith(prefix)]
+    except (OSError, ValueError):
+        return
+    for n in names:
+        _unlink(f"{d}/{n}")
+
+
+def sweep_ipc_dir() -> int:
+    """Remove socket files whose process is gone (its pid does not run here, and nothing
+    listens on the file: a process of another pid namespace sharing the directory keeps its
+    files). Returns how many were removed."""
+    d = _IPC_DIR[0]
+    removed = 0
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return 0
+    for n in names:
+        pid = n.split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        path = f"{d}/{n}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(path)
+                continue   # someone listens there
+            except OSError as e:
+                if e.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                    continue
+        removed += _unlink(path)
+    return removed
+
+
+def _unlink(path: str) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except OSError:
+        return 0
 
 
 _LOCAL_ADDRS: dict[str, bool] = {}
@@ -218,3 +356,11 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def gpu_count() -> int:
+    """GPUs on this host, without initialising CUDA (procs call it in a forked child)."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0

@@ -29,6 +29,7 @@ import cloudpickle
 import zmq
 
 from .. import config
+from . import curve as _curve
 from . import extensions as _extensions
 
 _RCVMORE = int(zmq.RCVMORE)
@@ -255,6 +256,23 @@ class _CachedPickler(threading.local):
 _CACHED = _CachedPickler()
 
 
+PLAIN_TYPES = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+def plain(args: tuple, kwargs: dict) -> bool:
+    """Are a call's arguments all plain values (None, numbers, str, bytes)? Then the call
+    pickles with ``pickle.dumps`` as it would with our picklers (no tensor, nothing by
+    value), in one C call."""
+    for a in args:
+        if type(a) not in PLAIN_TYPES:
+            return False
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) not in PLAIN_TYPES:
+                return False
+    return True
+
+
 def dumps_inband(obj) -> bytes:
     """One self-contained bytes object (kept and re-sent later, e.g. an actor's spawn)."""
     f = io.BytesIO()
@@ -262,17 +280,27 @@ def dumps_inband(obj) -> bytes:
     return f.getvalue()
 
 
+_NEXT_BUFFER = pickle.NEXT_BUFFER
+
+
 def recv_message(sock, flags: int = 0) -> list:
     """One message off a socket: the first frame as bytes (cheaper than a zmq.Frame for the
-    small header), the rest as zero-copy Frames (tensor payloads)."""
+    small header), the rest as zero-copy Frames (tensor payloads).
+
+    Asking zmq for RCVMORE costs more than a small message's whole MAC check, so it is asked
+    only when more frames may follow: a header travelling alone (just the prefix), or one that
+    names an out-of-band buffer (pickle's NEXT_BUFFER byte; a stray 0x97 in the data only
+    costs the question). Every multi-frame message of ours is one of these (dumps)."""
     first = sock.recv(flags)
+    if len(first) != _PREFIX and first.find(_NEXT_BUFFER, _PREFIX) < 0:
+        return [first]
     if not sock.getsockopt(_RCVMORE):
         return [first]
     frames = [first]
     while True:
         frames.append(sock.recv(copy=False))
         if not sock.getsockopt(_RCVMORE):
-            return frames
+            return frames if first[:8] != _curve.CHUNKED else _curve.joined(frames)   # large frames over tcp
 
 
 def loads(header, buffers=()):
@@ -282,11 +310,13 @@ def loads(header, buffers=()):
 MAC_SIZE = 16
 STAMP_SIZE = 8 + 8 + 8 + 8   # sender id, sequence number, send time (ms), destination: inside the MAC
 _PREFIX = 8 + MAC_SIZE + STAMP_SIZE   # key id + MAC + stamp, in front of the header
+assert _curve.CHUNK_HEAD == _PREFIX and pickle.NEXT_BUFFER == b"\x97"   # curve.chunked's first frame
 _STAMP = struct.Struct("<8sQQ8s")
 REPLAY_WINDOW = 1024     # a sender's messages to one socket may arrive this far out of order
 MAX_AGE_S = config.MAX_MESSAGE_AGE_S.get()   # clock skew + queueing
 _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 _LEN8 = struct.Struct("<Q").pack
+_time = time.time
 
 
 def _lengths(header, buffers) -> bytes:
@@ -296,22 +326,22 @@ def _lengths(header, buffers) -> bytes:
     return b"".join([_LEN8(len(header)), *(_LEN8(len(b)) for b in buffers)])
 
 
-_DEST_IDS: dict[str, bytes] = {}
+DEST_IDS: dict[str, bytes] = {}
 
 
 def dest_id(addr: str) -> bytes:
     """The 8-byte name of a receiving socket, as its senders address it: a tcp endpoint by its
     port (a peer may reach it by any of the host's names, or bind on every interface), an
     ipc endpoint by its (unique) name; a ``?curve=`` key is not part of it."""
-    d = _DEST_IDS.get(addr)
+    d = DEST_IDS.get(addr)
     if d is None:
         base = addr.split("?", 1)[0]
         if base.startswith("tcp://"):
             base = "tcp:" + base.rsplit(":", 1)[-1]
         d = hashlib.blake2b(base.encode(), digest_size=8, person=b"mk-dest").digest()
-        if len(_DEST_IDS) > 65536:
-            _DEST_IDS.clear()
-        _DEST_IDS[addr] = d
+        if len(DEST_IDS) > 65536:
+            DEST_IDS.clear()
+        DEST_IDS[addr] = d
     return d
 
 
@@ -481,6 +511,24 @@ class Keyring:
         first = b"".join((sealed.kid, h.digest(), s, header))
         return [first, *sealed[1:]] if len(sealed) > 1 else [first]
 
+    def sign_one(self, key: bytes, header: bytes, dest: bytes) -> bytes:
+        """The single frame of a message with no buffers and a header under SMALL_COPY bytes,
+        for the socket named ``dest``: what ``sign(key, [header], dest)[0]`` is, in one pass
+        (the hot path of every call and reply)."""
+        kid = self._ids.get(key) or self.add(key)
+        st = _SENDER   # _stamp(dest), inline
+        seqs = st.seqs
+        if st.epoch != _FORK_EPOCH[0] or len(seqs) > 65536:
+            s = _stamp(dest)
+        else:
+            seq = seqs[dest] = seqs.get(dest, 0) + 1
+            s = _STAMP.pack(st.sender, seq, int(_time() * 1000), dest)
+        h = self._base[kid].copy()
+        h.update(header)
+        h.update(_LEN8(len(header)))
+        h.update(s)
+        return b"".join((kid, h.digest(), s, header))
+
     def sign(self, key: bytes, frames: list, dest: bytes) -> list:
         """``frames`` = [header, *buffers] -> the frames to send to the socket named ``dest``."""
         return self.stamp(self.seal(key, frames), dest)
@@ -488,6 +536,22 @@ class Keyring:
     def open(self, frames, where: str = "socket"):
         """Verify and unpickle received frames (zmq.Frame or bytes). Returns the message, or
         None after logging when it is malformed, not signed with a trusted key, or a replay."""
+        if len(frames) == 1:   # the usual message: one small frame (a call, a reply)
+            first = frames[0]
+            n = len(first)
+            if type(first) is bytes and _PREFIX < n < SMALL_COPY:
+                base = self._base.get(first[:8])
+                if base is not None:
+                    header = first[_PREFIX:]
+                    h = base.copy()
+                    h.update(header)
+                    h.update(_LEN8(n - _PREFIX))
+                    stamp = first[24:_PREFIX]
+                    h.update(stamp)
+                    if not hmac.compare_digest(h.digest(), first[8:24]):
+                        log.warning("dropped an unauthenticated message on %s (bad signature)", where)
+                        return None
+                    return self._accept(where, stamp, header, ())
         first = frames[0] if frames else b""
         if type(first) is not bytes:
             first = first.buffer if hasattr(first, "buffer") else memoryview(first)
@@ -515,6 +579,10 @@ class Keyring:
         if not hmac.compare_digest(h.digest(), bytes(first[8:8 + MAC_SIZE])):
             log.warning("dropped an unauthenticated message on %s (bad signature)", where)
             return None
+        return self._accept(where, stamp, header, bufs)
+
+    def _accept(self, where: str, stamp, header, bufs):
+        """A message whose MAC verified: drop it if it is a replay, else unpickle it."""
         guard = self._guards.get(where)
         if guard is None:
             guard = self._guards.setdefault(where, _ReplayGuard())
@@ -524,7 +592,7 @@ class Keyring:
             log.warning("dropped a replayed message on %s: %s", where, why)
             return None
         try:
-            return loads(header, bufs)
+            return pickle.loads(header, buffers=bufs)
         except Exception as e:  # a verified message that fails to load: report, don't crash
             log.error("dropped a message on %s that failed to unpickle: %r", where, e)
             partial = _lenient_loads(header, bufs)

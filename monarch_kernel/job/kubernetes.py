@@ -38,6 +38,10 @@ MESH_LABEL = "monarch.pytorch.org/mesh-name"
 INDEX_LABEL = "apps.kubernetes.io/pod-index"
 JOB_LABEL = "monarch-kernel.pytorch.org/job"
 KEY_SECRET = "monarch-worker-key"
+#: An agent that crashes is restarted (CrashLoopBackOff then names the pod), but one that
+#: ends cleanly at its lease is not: its pod becomes Succeeded and holds no resources.
+#: ("Always" would start a fresh, empty agent forever, keeping the GPUs.)
+RESTART = "OnFailure"
 _FAILING = {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
             "CreateContainerError", "RunContainerError", "ErrImageNeverPull"}
 
@@ -146,7 +150,7 @@ class KubernetesJob(JobTrait):
                 ports=[client.V1ContainerPort(container_port=AGENT_PORT, name="monarch")],
                 resources=client.V1ResourceRequirements(limits=res, requests=res) if res else None)
             return client.V1Pod(api_version="v1", kind="Pod", metadata=meta,
-                                spec=client.V1PodSpec(containers=[container], restart_policy="Always"))
+                                spec=client.V1PodSpec(containers=[container], restart_policy=RESTART))
         tmpl = dict(spec["pod_template"])
         pod_spec = dict(tmpl.get("spec", tmpl))   # a PodTemplateSpec or a PodSpec
         containers = [dict(c) for c in pod_spec["containers"]]
@@ -154,6 +158,7 @@ class KubernetesJob(JobTrait):
         c0.setdefault("command", command)
         c0["env"] = [*(c0.get("env") or []), *client.ApiClient().sanitize_for_serialization(env)]
         pod_spec["containers"] = containers
+        pod_spec.setdefault("restartPolicy", RESTART)
         meta_d = client.ApiClient().sanitize_for_serialization(meta)
         meta_d["labels"] = {**(tmpl.get("metadata", {}).get("labels") or {}), **labels}
         return {"apiVersion": "v1", "kind": "Pod", "metadata": meta_d, "spec": pod_spec}
@@ -220,8 +225,10 @@ class KubernetesJob(JobTrait):
             if len(ips) == len(names):
                 return ips
             if self.job_start_timeout is not None and time.monotonic() - start > self.job_start_timeout:
+                why = "".join(f"; pod {n}: {_unschedulable(pods[n])}" for n in names if _unschedulable(pods[n]))
                 raise JobError(f"kubernetes job {self.name!r}: not every agent was up after "
-                               f"{self.job_start_timeout:g} s ({line}); its pods were deleted")
+                               f"{self.job_start_timeout:g} s ({line}{why}); its pods were deleted. Raise "
+                               "job_start_timeout or ask for what a node has")
             if set(counts) == {"Running"}:
                 time.sleep(0.1)   # only the agents' ports to wait for: no pod event will say so
             else:
@@ -258,6 +265,8 @@ class KubernetesJob(JobTrait):
                                f"last log lines of {name}:\n{self._logs(api, name)}")
             if waiting is not None and waiting.reason:
                 return waiting.reason
+        if _unschedulable(pod):
+            return "Pending (Unschedulable)"
         return pod.status.phase or "Pending"
 
     def _logs(self, api, name: str, lines: int = 20) -> str:
@@ -305,6 +314,8 @@ class KubernetesJob(JobTrait):
             pod = pods.get(a["host"])
             if pod is None:
                 return f"pod {a['host']} was deleted"
+            if pod.status.phase == "Succeeded":
+                return f"pod {a['host']} is Succeeded: its agent ended (its lease ran out with no notebook attached)"
             if pod.status.phase != "Running" or not a["addr"].startswith(f"tcp://{pod.status.pod_ip}:"):
                 return f"pod {a['host']} is {pod.status.phase} (or was replaced: its agent and procs are new)"
         return None
@@ -338,6 +349,14 @@ class KubernetesJob(JobTrait):
         reason = self._gone_reason() if self._agents else None
         out["state"] = reason or f"pods Running {len(self._agents)}/{len(self._agents)}"
         return out
+
+
+def _unschedulable(pod) -> str | None:
+    """The scheduler's word on a pod no node can take (``0/3 nodes are available: ...``)."""
+    for c in pod.status.conditions or []:
+        if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
+            return f"Unschedulable: {c.message or 'no node fits it'}"
+    return None
 
 
 def _agent_port(pod) -> int:

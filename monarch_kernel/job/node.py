@@ -23,12 +23,21 @@ import time
 
 STARTED = time.time()   # reported, so a benchmark can say where the time to a first reply goes
 
-import argparse  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+
+# The zygote (torch's import, the longest part of a node's start) begins first, before this
+# starter's imports and the agent's interpreter start; the agent gets its pipes. Not over
+# ssh (--detach): this process exits there, and the zygote dies with its parent.
+ZYGOTE = None
+if __name__ == "__main__" and "--detach" not in sys.argv:
+    ZYGOTE = subprocess.Popen([sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env={**os.environ, "MONARCH_KERNEL_AGENT_PID": str(os.getpid())})
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
 
 from monarch_kernel import config  # noqa: E402  (stdlib only)
 
@@ -86,9 +95,16 @@ def main(argv=None) -> int:
         logs = os.path.join(config.HOME.get(), "logs")
         os.makedirs(logs, mode=0o700, exist_ok=True)
         err_to = open(os.path.join(logs, f"{a.name}.{rank}.log"), "ab")
+    fds = ()
+    if ZYGOTE is not None:
+        fds = (ZYGOTE.stdin.fileno(), ZYGOTE.stdout.fileno())
+        args += ["--zygote-fds", f"{fds[0]},{fds[1]},{ZYGOTE.pid}"]
     agent = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_to,
-                             start_new_session=a.detach)
-    reporter = Reporter(a.report)   # connects while the agent starts
+                             start_new_session=a.detach, pass_fds=fds)
+    if ZYGOTE is not None:   # the agent holds its pipes now: it alone can end it (EOF)
+        ZYGOTE.stdin.close()
+        ZYGOTE.stdout.close()
+    reporter = Reporter(a.report, key)   # connects while the agent starts (CURVE: keys from the job's key)
     line = agent.stdout.readline().decode(errors="replace").strip()
     if not line.startswith(READY):
         agent.kill()
@@ -113,7 +129,14 @@ def main(argv=None) -> int:
     for chunk in iter(lambda: agent.stderr.read1(65536), b""):
         sys.stderr.buffer.write(chunk)
         sys.stderr.flush()
-    return agent.wait()
+    code = agent.wait()
+    if ZYGOTE is not None:   # it ends with the agent's pipe; reap it
+        try:
+            ZYGOTE.wait(5)
+        except subprocess.TimeoutExpired:
+            ZYGOTE.kill()
+            ZYGOTE.wait()
+    return code
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 Each node (``job/node.py``) pushes one JSON report, its HMAC under the job's key beside
 it; reports with a wrong signature or another job's token are dropped. Reports carry no
-secret, only where an agent listens, so the key never crosses the network.
+secret, only where an agent listens, so the key never crosses the network. The socket is a
+CURVE server with the keypair both ends derive from the job's key (core/curve.py): a peer
+without the key fails the handshake, so it cannot make the kernel buffer a multipart
+message (zmq's frame cap is per frame) or hold a connection open.
 """
 from __future__ import annotations
 
@@ -48,12 +51,14 @@ class Reporter:
     """The node end: connect to the controller's rendezvous now (zmq and the TCP handshake
     cost a little), send one signed report later."""
 
-    def __init__(self, addr: str, timeout: float = 30.0):
+    def __init__(self, addr: str, key: bytes | None = None, timeout: float = 30.0):
         import zmq  # here, not at the top: a node starts its agent before paying for zmq
+
+        from monarch_kernel.core import curve
 
         self.sock = zmq.Context.instance().socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, int(timeout * 1000))
-        self.sock.connect(addr)
+        curve.connect(self.sock, addr, curve.agent_keys(key)[0] if key and curve.wanted(addr) else None)
 
     def send(self, key: bytes, report: dict) -> None:
         body = json.dumps(report).encode()
@@ -72,8 +77,11 @@ class Rendezvous:
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 65536)
-        self.sock.bind(f"tcp://{host}:*")
-        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        from monarch_kernel.core import curve
+
+        secret = curve.agent_keys(key)[1] if curve.wanted(host) else None
+        self.address = curve.bind(self.sock, f"tcp://{host}:*", secret)
 
     def poll(self, timeout: float) -> list[dict]:
         """Reports that arrived within ``timeout`` seconds (maybe none)."""

@@ -158,7 +158,10 @@ class SSHJob(JobTrait):
 
     def _gone_reason(self) -> str | None:
         def check(host, pid):
-            r = self._ssh(host, ["kill", "-0", str(pid)], timeout=self.connect_timeout + 5)
+            # An agent that ended but was not reaped (a container whose pid 1 reaps nothing)
+            # still answers kill -0: a zombie counts as ended.
+            alive = f'kill -0 {int(pid)} 2>/dev/null && ! grep -qs "^State:[[:space:]]*Z" /proc/{int(pid)}/status'
+            r = self._ssh(host, ["sh", "-c", alive], timeout=self.connect_timeout + 5)
             return None if r.returncode == 0 else f"the agent on {host} (pid {pid}) no longer runs"
         dead = [w for w in self._each(check) if w]
         return "; ".join(dead) or None

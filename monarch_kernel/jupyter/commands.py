@@ -31,8 +31,8 @@ def _per_host(text: str) -> dict:
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
                       usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
-                            "[--lease DURATION] [--job VAR | --slurm ARGS | --ssh HOSTS | --k8s NS --image IMAGE "
-                            "[--replicas N]] [--mesh MESH]")
+                            "[--lease DURATION] [--job VAR | --slurm ARGS | --ssh HOSTS [--ssh-args OPTIONS] "
+                            "| --k8s NS --image IMAGE [--replicas N]] [--mesh MESH]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
                                              f"{default_mesh_name()!r})")
 _size = CONNECT.add_mutually_exclusive_group()
@@ -57,6 +57,8 @@ CONNECT.add_argument("--mesh", metavar="MESH", dest="job_mesh",
                           "reachable as job.state().MESH")
 _where.add_argument("--ssh", metavar="HOST,HOST", help="an agent on each host over ssh (your ssh config and keys), "
                                                        "e.g. --ssh gpu1,alice@gpu2:2222")
+CONNECT.add_argument("--ssh-args", metavar='"SSH OPTIONS"',
+                     help='--ssh: options for every ssh call, e.g. --ssh-args "-F cluster.conf -o ProxyJump=login"')
 
 
 @mesh_command(CONNECT)

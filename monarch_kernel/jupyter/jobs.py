@@ -2,7 +2,7 @@
 
     %mesh connect NAME --job VAR                      a job object from the notebook
     %mesh connect NAME --slurm "-N 2 -p gpu --gpus-per-node 8"
-    %mesh connect NAME --ssh gpu1,alice@gpu2:2222
+    %mesh connect NAME --ssh gpu1,alice@gpu2:2222 [--ssh-args "-F cluster.conf -i ~/.ssh/id_gpu"]
     %mesh connect NAME --k8s NAMESPACE --image IMAGE --replicas N
 
 The job is named after the mesh, so re-running the cell in a restarted kernel finds the
@@ -10,6 +10,7 @@ job cached under that name and re-attaches (same job id, procs and actors).
 """
 from __future__ import annotations
 
+import os
 import shlex
 
 from IPython.core.error import UsageError
@@ -21,6 +22,10 @@ def job_from_args(user_ns: dict, args, lease: float | None):
     from .session import default_mesh_name
 
     name = args.name or default_mesh_name()
+    ssh_args = getattr(args, "ssh_args", None)
+    if ssh_args is not None and not getattr(args, "ssh", None):
+        raise UsageError("%mesh connect: --ssh-args goes with --ssh HOST,HOST (with --job, give the job "
+                         "SSHJob(ssh_args=...))")
     if getattr(args, "job", None):
         job = user_ns.get(args.job)
         if job is None:
@@ -54,7 +59,11 @@ def job_from_args(user_ns: dict, args, lease: float | None):
         hosts = [h.strip() for h in args.ssh.split(",") if h.strip()]
         if not hosts:
             raise UsageError("%mesh connect --ssh: name the hosts, e.g. --ssh gpu1,gpu2")
-        return SSHJob(hosts=hosts, name=name, lease=lease)
+        try:
+            options = [os.path.expanduser(w) for w in shlex.split(ssh_args or "")]   # as a shell would
+        except ValueError as e:
+            raise UsageError(f"%mesh connect --ssh-args {ssh_args!r}: {e}") from None
+        return SSHJob(hosts=hosts, ssh_args=options, name=name, lease=lease)
     return None
 
 

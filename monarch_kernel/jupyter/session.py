@@ -307,10 +307,10 @@ def _spawn_with_progress(hm: HostMesh, per_host: dict | None, progress) -> ProcM
     per_host = per_host or default_per_host()   # spawn_procs' own default is Monarch's: 1 per host
     if progress is None:
         return hm.spawn_procs(per_host=per_host, name=PROC_MESH)
-    from ..core.hosts import _gpu_count
+    from ..core.transport import gpu_count
 
     total = 1
-    for v in (per_host or {"gpus": _gpu_count() or os.cpu_count() or 1}).values():
+    for v in (per_host or {"gpus": gpu_count() or os.cpu_count() or 1}).values():
         total *= v
     total *= len(hm)
     out: dict = {}

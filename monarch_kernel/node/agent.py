@@ -13,9 +13,10 @@ The key comes from ``--key-file`` or the MONARCH_KERNEL_KEY environment variable
 """
 from __future__ import annotations
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--zygote-fds" not in __import__("sys").argv:
     # Start the zygote before anything else: it imports torch (about a second) while this
-    # process imports its own modules and binds its socket.
+    # process imports its own modules and binds its socket. (A job's node starter starts it
+    # even earlier and hands it over with --zygote-fds.)
     import os as _os
     import subprocess as _sp
     import sys as _sys
@@ -46,6 +47,7 @@ from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.messages import Ev, Rep, Req
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_alive, pid_space
+from monarch_kernel.core.transport import remove_ipc_files
 from monarch_kernel.node.fanout import FanRelay
 from monarch_kernel.telemetry.agent import AgentTelemetry
 
@@ -83,7 +85,7 @@ class HostAgent:
         # Before any MAC is checked: a frame over MONARCH_KERNEL_AGENT_MAX_MESSAGE drops its connection
         # instead of being allocated, and a connection that does not finish the ZMTP
         # handshake within 2 s is closed (idle unauthenticated sockets do not pile up).
-        self.router.setsockopt(zmq.MAXMSGSIZE, config.AGENT_MAX_MESSAGE.get())
+        self.router.setsockopt(zmq.MAXMSGSIZE, max(config.AGENT_MAX_MESSAGE.get(), curve.MAX_FRAME) + 4096)
         self.router.setsockopt(zmq.HANDSHAKE_IVL, 2000)
         _raise_fd_limit()
         # Off this host, the link is CurveZMQ too (keys derived from the mesh key, curve.py).
@@ -184,7 +186,7 @@ class HostAgent:
             except zmq.Again:
                 return
             ident = frames[0].bytes
-            msg = self.keyring.open(frames[1:], "agent router")
+            msg = self.keyring.open(curve.joined(frames[1:]), "agent router")   # large ones come in pieces
             if not isinstance(msg, tuple) or len(msg) != len(Req._fields) or msg[0] != Req.KIND:
                 continue
             _, req, op, args = Req.of(msg)
@@ -292,6 +294,7 @@ class HostAgent:
         return key
 
     def _proc_exited(self, pid, code):
+        remove_ipc_files(pid)   # its socket files, if it died without closing them
         p = self.by_pid.pop(pid, None)
         if p is None:
             return
@@ -300,6 +303,7 @@ class HostAgent:
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         self.telemetry.proc_exited(p, pid, how, stopping=was == "stopping")
         self.fanout.forget_proc(p)
+        replied = self.fanout.replied_calls(p.key)
         if was == "stopping":
             self.procs.pop(p.key, None)
             return
@@ -313,6 +317,8 @@ class HostAgent:
                                         f"procs of this spawn were stopped"))
                 self._cancel_spawn(sp["keys"])
         self.fanout.flush_all()   # what it sent before dying arrives before its death
+        if replied:   # ... unless it goes up a tree: the controller then waits for those replies
+            self.event("replied", p.key, replied)
         self.event("died", p.key, failure)
         for q in self.procs.values():
             if q.state == "alive" and q.ident is not None:
@@ -399,6 +405,10 @@ class HostAgent:
                 "addr": self.addr,
                 "persistent": self.persistent, "lease": self.lease, "registry": self.registry,
                 "dead": {k: p.rank for k, p in self.procs.items() if p.state == "dead"}, **self.fanout.describe()}
+
+    def op_reroute(self, ident, req, dest, lost_parent, calls=None):
+        """A controller lost a parent agent of our fan-in tree: send it our part directly."""
+        self.reply(ident, req, True, self.fanout.reroute(dest, lost_parent, calls))
 
     def op_hb(self, ident, req, controller_addr=None):
         if ident != self.controller and self.controller is None and controller_addr:
@@ -634,6 +644,32 @@ def _load_key(a) -> bytes:
     return bytes.fromhex(key)
 
 
+class _HandedZygote:
+    """The part of ``Popen`` the agent uses, for a zygote its caller started (and reaps):
+    its pipes arrive as inherited fds. It still ends when the agent closes its stdin."""
+
+    def __init__(self, spec: str):
+        w, r, self.pid = (int(x) for x in spec.split(","))
+        self.stdin, self.stdout = os.fdopen(w, "wb", 0), os.fdopen(r, "rb", 0)
+
+    def poll(self):
+        return None if pid_alive(self.pid) else 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid_alive(self.pid):   # a zombie its parent has not reaped yet counts as gone
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("zygote", timeout)
+            time.sleep(0.01)
+        return 0
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m workers.agent", description=__doc__.split("\n")[0])
     p.add_argument("--bind", default="127.0.0.1", help="address to listen on (default loopback)")
@@ -645,6 +681,8 @@ def main(argv=None):
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--conn-file", help="connection file to write once listening (0600) and remove on exit")
     p.add_argument("--parent-pid", type=int, default=0, help="die with this parent (non-persistent)")
+    p.add_argument("--zygote-fds", metavar="W,R,PID", help="a zygote the caller started: its stdin and stdout "
+                   "pipes (inherited fds) and pid (monarch_kernel.job.node starts it before this agent)")
     a = p.parse_args(argv)
     bad = config.problems("agent", "proc", "any")   # its procs inherit its environment
     if bad:
@@ -652,7 +690,8 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     if not a.persistent and a.lease is None:
         a.lease = 30.0  # a non-persistent agent nobody attaches to does not wait forever
-    agent = HostAgent(a, zygote=sys.modules["__main__"].__dict__.get("_EARLY_ZYGOTE"))
+    zygote = _HandedZygote(a.zygote_fds) if a.zygote_fds else sys.modules["__main__"].__dict__.get("_EARLY_ZYGOTE")
+    agent = HostAgent(a, zygote=zygote)
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "stopping", True))
     if a.conn_file:
         from monarch_kernel.core.connection import write_connection_file

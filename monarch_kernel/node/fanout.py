@@ -21,6 +21,8 @@ of a receive, a MAC check and a full message. A proc's output and reply leave on
 and the agent keeps that order in the batch. Before a proc's death is reported, what it
 sent is flushed.
 
+Past a few hosts this agent may be a relay of a tree of agents: see node/fantree.py.
+
 Everything runs on the agent's poll-loop thread; ``sockets()`` are polled by it.
 """
 from __future__ import annotations
@@ -28,27 +30,34 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections import deque
 
 import zmq
 
 from monarch_kernel import config
 from monarch_kernel.core import curve, wire
+from monarch_kernel.core.messages import Fan
 from monarch_kernel.core.runtime import host_id, ipc_name
+from monarch_kernel.node.fantree import Retained, addr_of, columns, members, replies_in, reroute, seen_before
 
 log = logging.getLogger("monarch_kernel.agent")
 
 MAX_HELD = 4096   # messages held for one destination before a batch goes regardless
 MAX_CALLS = 8192  # calls still expecting replies here (a dead member's never comes)
+RELAY_WAIT = 10   # a relay holds an incomplete batch this many FANIN_FLUSH_S (20 ms by default)
 
 
 class _Held:
-    __slots__ = ("items", "buffers", "since", "sock", "dest")
+    """What waits to go up one way: to the controller ``dest`` itself (``parent`` ""), or
+    to a parent agent of the tree (its fan inbox address), as a merged batch."""
+    __slots__ = ("items", "buffers", "since", "dest", "parent", "window")
 
-    def __init__(self, sock, dest: bytes):
+    def __init__(self, dest: str, parent: str, window: float):
         self.items: list = []
         self.buffers: list = []
         self.since = 0.0
-        self.sock, self.dest = sock, dest   # dest: the controller inbox's name (wire.dest_id)
+        self.dest, self.parent = dest, parent
+        self.window = window   # how long an incomplete batch waits (longer for a relay: RELAY_WAIT)
 
 
 class FanRelay:
@@ -61,7 +70,7 @@ class FanRelay:
         self.fan_in.setsockopt(zmq.MAXMSGSIZE, -1)
         self.fan_in.setsockopt(zmq.HANDSHAKE_IVL, 2000)
         secret = curve.agent_keys(agent.key)[1] if curve.wanted(agent.bind_host) else None
-        tcp = curve.bind(self.fan_in, f"tcp://{agent.bind_host}:*", secret)
+        tcp = curve.bind(self.fan_in, f"tcp://{agent.bind_host}:*", secret, curve.MAX_FRAME)
         self.fan_tcp = curve.with_key(tcp, curve.agent_keys(agent.key)[0] if secret else b"")
         self.fan_ipc = ipc_name("fan")
         self.fan_in.bind(self.fan_ipc)
@@ -73,9 +82,15 @@ class FanRelay:
         agent.keyring.accept("fan inbox", wire.dest_id(self.fan_tcp), wire.dest_id(self.fan_ipc))
         agent.keyring.accept("gather inbox", wire.dest_id(self.gather_ipc))
         self.to_procs: dict[str, zmq.Socket] = {}     # proc work ipc -> PUSH
-        self.held: dict[str, _Held] = {}              # destination address -> what waits for it
+        self.held: dict[tuple[str, str], _Held] = {}  # (destination, parent or "") -> what waits
+        self.links: dict[str, tuple] = {}             # address -> (PUSH, its dest id): controllers, agents
         self.contacts: dict[str, list] = {}           # destination address -> its contact
-        self.expected: dict[tuple[str, int], int] = {}   # (dest, call id) -> replies still to come
+        self.expected: dict[tuple[str, int], int] = {}   # (dest, call id) -> replies still to come here
+        self.up_of: dict[tuple[str, int], str] = {}   # (dest, call id) -> parent agent ("" = direct)
+        self.last_up: dict[str, str] = {}             # dest -> the parent of its latest call
+        self.replied: dict[str, deque] = {}            # proc key -> its latest fanned calls answered
+        self.sends: dict[tuple[str, int], None] = {}   # tree sends seen (dest, send id), oldest first
+        self.tree = Retained()                        # what went to parents, until they are known safe
         self.fanned = 0
         self.flush_s = config.FANIN_FLUSH_S.get()
 
@@ -83,9 +98,12 @@ class FanRelay:
     def sockets(self) -> tuple:
         return self.fan_in, self.gather
 
+    def contact(self) -> list:
+        return [self.fan_tcp, self.fan_ipc, host_id()]
+
     def describe(self) -> dict:
         """Added to the agent's hello answer: where the controller sends fanned messages."""
-        return {"fan": [self.fan_tcp, self.fan_ipc, host_id()]}
+        return {"fan": self.contact()}
 
     def proc_config(self) -> dict:
         return {"gather": self.gather_ipc}
@@ -104,15 +122,15 @@ class FanRelay:
 
     def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        for dest, h in self.held.items():
-            if h.items and now - h.since >= self.flush_s:
-                self._flush(dest, h)
+        for h in list(self.held.values()):
+            if h.items and now - h.since >= h.window:
+                self._flush(h)
 
     def flush_all(self) -> None:
         """Before a death is reported: what the dead proc sent must arrive first."""
-        for dest, h in self.held.items():
+        for h in list(self.held.values()):
             if h.items:
-                self._flush(dest, h)
+                self._flush(h)
 
     def forget_proc(self, p) -> None:
         ref = p.ref
@@ -120,22 +138,39 @@ class FanRelay:
         if s is not None:
             s.close(0)
 
+    def replied_calls(self, key: str) -> list:
+        """The calls a proc that just ended replied to lately (its replies may still be on
+        their way up a tree when its death, sent straight to the controller, arrives)."""
+        return list(self.replied.pop(key, ()))
+
     def close(self) -> None:
-        for s in (*self.to_procs.values(), *(h.sock for h in self.held.values()), self.fan_in, self.gather):
+        for s in (*self.to_procs.values(), *(link[0] for link in self.links.values()), self.fan_in, self.gather):
             s.close(0)
+
+    def reroute(self, dest: str, lost_contact, calls=None) -> int:
+        return reroute(self, dest, lost_contact, calls)
 
     # ---------------------------------------------------------------- fan-out
     def _drain_fan(self) -> None:
         agent = self.agent
         for _ in range(1000):
             try:
-                frames = self.fan_in.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = curve.joined(self.fan_in.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 return
             env = agent.keyring.open(frames, "fan inbox")
-            if type(env) is not tuple or len(env) != 6 or env[0] != "fan":
+            if type(env) is not tuple or not env:
                 continue
-            _, keys, contact, call_id, header, bufs = env
+            if env[0] == "ub" and len(env) == 4:   # a child agent's batch, to merge and send up
+                self._from_child(*env[1:])
+                continue
+            if env[0] != "fan" or len(env) < 6:
+                continue
+            _, keys, contact, call_id, header, bufs, children, parent, sid = Fan.of(env)
+            if sid and contact and seen_before(self, contact[0], sid, call_id, parent):
+                continue   # sent again by the controller after our parent was lost: done already
+            # Children first: their subtrees start while this host stamps its own procs.
+            below = sum(self._forward(child, contact, call_id, header, bufs, sid) for child in children)
             sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
             sent = 0
             for key in keys:
@@ -152,10 +187,32 @@ class FanRelay:
             if call_id and contact:
                 dest = contact[0]
                 self.contacts[dest] = contact
-                self.expected[(dest, call_id)] = self.expected.get((dest, call_id), 0) + sent
+                k = (dest, call_id)
+                self.expected[k] = self.expected.get(k, 0) + sent + below
+                up = self.up_of[k] = self.last_up[dest] = addr_of(parent) if parent else ""
+                if below:
+                    # A relay's partial batches each cost the controller a receive: it waits longer
+                    # for its subtree (a complete call still goes at once, a death flushes).
+                    h = self.held_slot(dest, up)
+                    h.window = self.flush_s * RELAY_WAIT
                 if len(self.expected) > MAX_CALLS:   # calls whose member died before replying
-                    for k in list(self.expected)[:MAX_CALLS // 2]:   # oldest first
-                        del self.expected[k]
+                    for old in list(self.expected)[:MAX_CALLS // 2]:   # oldest first
+                        del self.expected[old]
+                if len(self.up_of) > MAX_CALLS:
+                    for old in list(self.up_of)[:MAX_CALLS // 2]:
+                        del self.up_of[old]
+
+    def _forward(self, child, contact, call_id, header, bufs, sid) -> int:
+        """Send a child agent its part of the tree (its procs' keys and its own subtree); how
+        many replies it will send up to us."""
+        fan, keys, subtree = child
+        env = ("fan", keys, contact, call_id, header, [pickle.PickleBuffer(b) for b in bufs], subtree,
+               self.contact(), sid)
+        try:
+            self._send_to(addr_of(fan), env, fan)
+        except zmq.ZMQError as e:
+            log.warning("could not forward to agent %s: %s", fan[0], e)
+        return members(child)
 
     def _to_proc(self, ref) -> zmq.Socket:
         addr = ref.work_ipc or ref.work
@@ -169,7 +226,7 @@ class FanRelay:
 
     # ---------------------------------------------------------------- fan-in
     def _drain_gather(self) -> None:
-        done: set[str] = set()
+        done: dict[int, _Held] = {}
         for _ in range(10_000):
             try:
                 frames = self.gather.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -181,54 +238,117 @@ class FanRelay:
             if type(msg) is not tuple or not msg:
                 continue
             dest, _, call = bytes(frames[0].buffer).decode(errors="replace").partition("\0")
-            h = self.held.get(dest)
+            call_id = int(call) if call.isdigit() else 0
+            h = self._held_for(dest, call_id)
             if h is None:
-                contact = self.contacts.get(dest)
-                if contact is None:
-                    continue   # nobody asked us to gather for it: not ours to forward
-                h = self.held[dest] = _Held(*self._connect(contact))
+                continue   # nobody asked us to gather for it: not ours to forward
             if not h.items:
                 h.since = time.monotonic()
             if msg[0] == "rv" and len(msg) == 6:
                 _, call_id, key, ok, vheader, vbufs = msg
-                h.items.append(("r", call_id, key, ok, vheader, len(vbufs)))
+                last = self.replied.get(key)
+                if last is None:
+                    last = self.replied[key] = deque(maxlen=32)
+                last.append(call_id)
+                run = h.items[-1] if h.items else None
+                if type(run) is not list or run[1] != call_id:   # a call's replies in a row: one run
+                    run = ["rc", call_id, [], [], [], []]
+                    h.items.append(run)
+                run[2].append(key)
+                run[3].append(ok)
+                run[4].append(vheader)
+                run[5].append(len(vbufs))
                 h.buffers.extend(vbufs)
+                if self._answered(dest, call_id, 1):
+                    done[id(h)] = h
             else:
-                h.items.append(msg)   # output, as the proc wrote it
-            if call:
-                k = (dest, int(call))
-                left = self.expected.get(k, 0) - 1
-                if left <= 0:
-                    self.expected.pop(k, None)
-                    done.add(dest)
-                else:
-                    self.expected[k] = left
+                h.items.append(msg)   # output, as the proc wrote it (its route names the call)
             if len(h.items) >= MAX_HELD:
-                done.add(dest)
-        for dest in done:
-            self._flush(dest, self.held[dest])
+                done[id(h)] = h
+        for h in done.values():
+            self._flush(h)
 
-    def _connect(self, contact) -> tuple[zmq.Socket, bytes]:
+    def _from_child(self, dest, items, buffers) -> None:
+        """A child agent's batch: merged, as it is (user values stay opaque), into ours."""
+        if type(dest) is not str or type(items) is not list or type(buffers) is not list:
+            return
+        first = next((it[1] for it in items if replies_in(it)), 0)
+        h = self._held_for(dest, first)
+        if h is None:
+            return
+        if not h.items:
+            h.since = time.monotonic()
+        h.items.extend(items)
+        h.buffers.extend(buffers)
+        complete = False
+        for it in items:
+            n = replies_in(it)
+            if n and self._answered(dest, it[1], n):
+                complete = True
+        if complete or len(h.items) >= MAX_HELD:
+            self._flush(h)
+
+    def _answered(self, dest: str, call_id, n: int) -> bool:
+        """Count ``n`` replies of a call in; True when every one expected here has come."""
+        k = (dest, call_id)
+        left = self.expected.get(k, 0) - n
+        if left <= 0:
+            self.expected.pop(k, None)
+            return True
+        self.expected[k] = left
+        return False
+
+    def _held_for(self, dest: str, call_id: int) -> _Held | None:
+        parent = self.up_of.get((dest, call_id)) if call_id else None
+        return self.held_slot(dest, self.last_up.get(dest, "") if parent is None else parent)
+
+    def held_slot(self, dest: str, parent: str) -> _Held | None:
+        h = self.held.get((dest, parent))
+        if h is None:
+            if dest not in self.contacts:
+                return None
+            h = self.held[(dest, parent)] = _Held(dest, parent, self.flush_s)
+        return h
+
+    def _flush(self, h: _Held) -> None:
+        columns(h.items)
+        # Values' buffers (tensors) ride out of band, zero copy, as they came.
+        bufs = [pickle.PickleBuffer(b) for b in h.buffers]
+        if h.parent:
+            self.tree.keep(h.dest, h.parent, h.items, h.buffers)
+            self.send_up(h.dest, h.parent, ("ub", h.dest, h.items, bufs))
+        else:
+            self.send_up(h.dest, "", ("rb", h.items, bufs))
+        h.items, h.buffers = [], []
+
+    def send_up(self, dest: str, parent: str, msg) -> None:
+        try:
+            if parent:
+                self._send_to(parent, msg, None)
+            else:
+                contact = self.contacts[dest]
+                self._send_to(addr_of(contact), msg, contact)
+        except zmq.ZMQError as e:
+            log.warning("could not send a batch of %d to %s: %s", len(msg[-2]), parent or dest, e)
+
+    def _send_to(self, addr: str, msg, contact) -> None:
+        """Sign ``msg`` for the inbox at ``addr`` (a controller, or an agent's fan inbox) and push it."""
+        link = self.links.get(addr)
+        if link is None:
+            link = self.links[addr] = self._connect(addr, contact)
+        agent = self.agent
+        frames = agent.keyring.sign(agent.key, wire.dumps(msg), link[1])
+        link[0].send_multipart(curve.chunked(frames) if addr[:4] == "tcp:" else frames, copy=False)   # tcp: capped
+
+    def _connect(self, addr: str, contact) -> tuple[zmq.Socket, bytes]:
         s = self.agent.ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.LINGER, 0)
-        addr, ipc, hid = contact[0], contact[1], contact[2]
-        if ipc and hid == host_id():
-            s.connect(ipc)
-            return s, wire.dest_id(ipc)
-        curve.connect(s, addr, contact[3] if len(contact) > 3 and contact[3] else None)
+        if contact is not None and len(contact) > 3 and contact[3] and addr == contact[0]:
+            curve.connect(s, addr, contact[3])   # a controller's tcp inbox: its key comes apart
+        else:
+            curve.connect(s, addr)   # ipc, or an address that carries its key (agents' fan inboxes)
         return s, wire.dest_id(addr)
-
-    def _flush(self, dest: str, h: _Held) -> None:
-        agent = self.agent
-        # Values' buffers (tensors) ride out of band, zero copy, as they came.
-        batch = agent.keyring.sign(agent.key, wire.dumps(
-            ("rb", h.items, [pickle.PickleBuffer(b) for b in h.buffers])), h.dest)
-        try:
-            h.sock.send_multipart(batch, copy=False)
-        except zmq.ZMQError as e:
-            log.warning("could not send a batch of %d to %s: %s", len(h.items), dest, e)
-        h.items, h.buffers = [], []
 
 
 # -------------------------------------------------------------------- the proc's side
@@ -269,5 +389,5 @@ def output_route(gather: str | None, busy_call, sink_addr: str) -> bytes | None:
         return None
     reply_to = busy_call[0]
     if type(reply_to) is str and reply_to.startswith(FAN_PREFIX) and reply_to[len(FAN_PREFIX):] == sink_addr:
-        return f"{sink_addr}\0".encode()
+        return f"{sink_addr}\0{busy_call[1]}".encode()   # the call: which way it goes up (a tree)
     return None

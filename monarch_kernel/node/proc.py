@@ -45,6 +45,8 @@ from monarch_kernel.core.messages import (
 from monarch_kernel.core.runtime import Runtime, install_runtime, ipc_name
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.textsink import TextSink
+from monarch_kernel.core.transport import gpu_count
+from monarch_kernel.core.wire import PLAIN_TYPES
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
 from monarch_kernel.node import fanout
 from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
@@ -52,12 +54,20 @@ from monarch_kernel.telemetry.worker import ProcTelemetry
 
 
 class ActorSlot:
-    __slots__ = ("obj", "name", "ctx", "async_methods", "owner")
+    __slots__ = ("obj", "name", "ctx", "methods", "owner")
 
     def __init__(self, obj, name, ctx, owner=None):
         self.obj, self.name, self.ctx = obj, name, ctx
-        self.async_methods: dict[str, bool] = {}
+        # method as sent -> (name, is async, takes a response port, "in Actor.name"): worked
+        # out on its first call (the method itself is looked up on every call: code sync may
+        # replace it)
+        self.methods: dict[str, tuple] = {}
         self.owner = owner   # (work address, key, actor id) of the actor that spawned it; None: controller
+
+    def code_changed(self) -> None:
+        """Code sync reloaded a module: work each method's entry out again on its next call
+        (a method may have become async, or gained a response port)."""
+        self.methods.clear()
 
 
 class ForwardingStream(TextSink):
@@ -116,8 +126,8 @@ class ProcWorker:
         self.work.setsockopt(zmq.LINGER, 0)
         self.work.setsockopt(zmq.HANDSHAKE_IVL, 5000)   # peers that never greet are dropped
         self.work_addr = curve.with_key(curve.bind(self.work, f"tcp://{cfg['bind']}:*",
-                                                   curve.process_keys()[1] if rt.curve_public else None),
-                                        rt.curve_public)
+                                                   curve.process_keys()[1] if rt.curve_public else None,
+                                                   curve.MAX_FRAME), rt.curve_public)
         self.work_ipc = ipc_name("work")
         self.work.bind(self.work_ipc)
         rt.keyring.accept("work inbox", wire.dest_id(self.work_addr), wire.dest_id(self.work_ipc))
@@ -263,6 +273,12 @@ class ProcWorker:
             if msg is None or type(msg) is not tuple:
                 self._answer_load_failure(msg)
                 continue  # dropped (logged by the opener)
+            if msg[0] == "call":   # (the usual message: no getattr by name)
+                try:
+                    self.do_call(msg)
+                except KeyboardInterrupt:
+                    pass
+                continue
             self._dispatch_work(msg)
         return 0
 
@@ -367,21 +383,17 @@ class ProcWorker:
                              exc_type=getattr(cause, "exc_type", ""))
             self._reply(reply_to, call_id, False, err)
             return
-        explicit = method.startswith(EXPLICIT_PORT_MARK)
+        entry = slot.methods.get(method)
+        if entry is None:
+            entry = slot.methods[method] = _method_entry(slot, method)
+        method, is_async, explicit, state = entry
         if explicit:
-            method = method[len(EXPLICIT_PORT_MARK):]
-        is_async = slot.async_methods.get(method)
-        fn = getattr(type(slot.obj), method, None)
-        if is_async is None:
-            is_async = slot.async_methods[method] = asyncio.iscoroutinefunction(fn)
-        if explicit or getattr(fn, "_monarch_explicit_port", False):
-            explicit = True
             args = (self._response_port(reply_to, call_id), *args)
         if is_async:
             self._run_async(slot, aid, method, args, kwargs, reply_to, call_id, explicit)
             return
         token = _CTX.set(slot.ctx)
-        self.busy_call, self.state = (reply_to, call_id), f"in {slot.name}.{method}"
+        self.busy_call, self.state = (reply_to, call_id), state
         self.active.append(aid)
         exc = None
         started, t0 = time.time(), time.perf_counter()
@@ -394,7 +406,12 @@ class ProcWorker:
             _CTX.reset(token)
             ours = self.interrupting is not None and self.interrupting == self.busy_call
             self.busy_call, self.state, self.interrupting = None, "idle", None
-        self.telemetry.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
+        tel = self.telemetry
+        if tel.enabled:
+            tel.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
+        if exc is None and not explicit and type(call_id) is int and call_id:
+            self._reply(reply_to, call_id, ok, value)   # (what _finish_call does for this case)
+            return
         self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc, ours)
 
     def _response_port(self, reply_to, call_id):
@@ -533,7 +550,14 @@ class ProcWorker:
 
     # ---------------------------------------------------------------- replies and errors
     def _reply(self, reply_to, call_id, ok, value, rank=None):
-        self.flush_output()
+        if self.stdout._buf or self.stderr._buf or self.output_limit.skipped:
+            self.flush_output()   # output goes before the reply it belongs to
+        if (type(call_id) is int and call_id and type(value) in PLAIN_TYPES and type(reply_to) is str
+                and not reply_to.startswith(_FAN_PREFIX)):
+            # The usual reply (a plain value to a direct call): pickled in one C call and signed in
+            # one pass. messages.Reply as a literal, in field order.
+            self.rt.send_plain(reply_to, self.key, ("r", call_id, self.proc_key, ok, value))
+            return
         if isinstance(call_id, Port):   # send(endpoint, ..., port=p): the result goes to the port
             try:
                 call_id._post(ok, value, rank)
@@ -611,6 +635,19 @@ class ProcWorker:
         holder[0] = asyncio.run_coroutine_threadsafe(run(), self._event_loop())
 
 
+_FAN_PREFIX = fanout.FAN_PREFIX
+
+
+def _method_entry(slot: ActorSlot, method: str) -> tuple:
+    """(name, is async, takes a response port, state while it runs) of ``method`` as sent."""
+    explicit = method.startswith(EXPLICIT_PORT_MARK)
+    if explicit:
+        method = method[len(EXPLICIT_PORT_MARK):]
+    fn = getattr(type(slot.obj), method, None)
+    explicit = explicit or bool(getattr(fn, "_monarch_explicit_port", False))
+    return method, asyncio.iscoroutinefunction(fn), explicit, f"in {slot.name}.{method}"
+
+
 def _fails_the_actor(exc, call_id, interrupted: bool) -> bool:
     """Monarch's rule: a BaseException, or any raise nobody waits on (broadcast), fails the
     actor; an Exception with a caller fails only the call; our own interrupt never does."""
@@ -632,7 +669,7 @@ def main(cfg: dict) -> int:
     os.environ["RANK"] = str(cfg["rank"])
     os.environ["LOCAL_RANK"] = str(cfg.get("local_index", 0))
     os.environ[config.PROC.env] = cfg["proc_key"]
-    gpus = _gpu_count()
+    gpus = gpu_count()
     if gpus and not config.KEEP_CUDA_VISIBLE.get():
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.get("local_index", 0) % gpus)
     rt = Runtime(bind_host=cfg["bind"], role="proc")
@@ -659,11 +696,3 @@ def main(cfg: dict) -> int:
 
 WORKER: ProcWorker | None = None
 QUERY_EXTRAS: list = []   # functions (worker) -> dict merged into a proc's query answer
-
-
-def _gpu_count() -> int:
-    """GPUs on this host, without initialising CUDA (this runs in a forked child)."""
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0

@@ -171,7 +171,7 @@ class SyncActor(Actor):
         out = reload_changed(info.get("changes") or [])
         if out["reloaded"]:
             for slot in worker.actors.values():   # a method may have become async
-                slot.async_methods.clear()
+                slot.code_changed()
         return out
 
     @endpoint

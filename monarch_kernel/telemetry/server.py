@@ -28,7 +28,7 @@ from .store import store
 
 SPARK_S = 60.0
 ASK_TIMEOUT_S = 3.0
-_CONTROLLER_PID = re.compile(r"monarch-kernel-(\d+)-inbox")   # core.runtime.ipc_name("inbox")
+_CONTROLLER_PID = re.compile(r"/(\d+)-inbox-")   # core.transport.ipc_name("inbox")
 
 
 def _meshes() -> list[dict]:

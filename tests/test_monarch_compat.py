@@ -289,6 +289,22 @@ def test_by_default_an_unhandled_failure_is_raised_at_the_next_interaction_not_e
     assert procs.spawn("after", Worker).value.call().get(30).values() == [0, 0]   # once only
 
 
+def test_a_failed_spawn_reported_after_the_cell_showed_it_is_not_raised_again():
+    """The race CI hit: the notebook's end-of-cell wait showed a failed ``__init__`` and
+    consumed it, then the I/O thread's spawn callback, still running, queued the same error,
+    and the next cell raised it again."""
+    from monarch_kernel.core.errors import MeshFailure, SupervisionError
+    from monarch_kernel.core.supervision import deliver_unhandled
+
+    rt = runtime()
+    failure = MeshFailure("late-report", 0, "vm", None, "actor failed to start: boom")
+    err = SupervisionError(failure, "shown under its cell")
+    rt.consume_unhandled(err)          # the cell showed it first ...
+    deliver_unhandled(failure, err)    # ... then the I/O thread reports it
+    assert not rt.has_unhandled(), rt.unhandled()
+    rt.raise_unhandled()               # nothing left to surface
+
+
 class SlowInit(Actor):
     def __init__(self):
         time.sleep(1.0)

@@ -233,6 +233,7 @@ class Calls:
         self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
         self.replied_before_death: dict[str, set] = {}   # proc -> calls whose reply is on its way
         self._unhandled: list[BaseException] = []
+        self._unhandled_lock = threading.Lock()   # queue (I/O thread) vs consume (user thread)
 
     def new_call(self, keys: list[str], extent, mode: str, what: str) -> tuple[int, PendingCall]:
         call_id = next(self._ids)
@@ -369,7 +370,11 @@ class Calls:
     def raise_unhandled(self) -> None:
         """Unhandled supervision failures surface on the next interaction, once."""
         if self._unhandled:
-            err = self._unhandled.pop(0)
+            with self._unhandled_lock:
+                if not self._unhandled:
+                    return
+                err = self._unhandled.pop(0)
+                _mark_surfaced(err)
             raise err
 
     def has_unhandled(self) -> bool:
@@ -380,11 +385,33 @@ class Calls:
         return list(self._unhandled)
 
     def queue_unhandled(self, err: BaseException) -> None:
-        self._unhandled.append(err)
+        """Queue ``err`` for the next interaction, unless the user already saw it: the I/O
+        thread may report a failed spawn just after the cell that waited on it showed it."""
+        with self._unhandled_lock:
+            if not already_surfaced(err):
+                self._unhandled.append(err)
 
     def consume_unhandled(self, err: BaseException) -> None:
-        """``err`` is raised to the user now: don't raise it again at the next interaction."""
-        try:
-            self._unhandled.remove(err)
-        except ValueError:
-            pass
+        """``err`` is raised to the user now: don't raise it again at the next interaction,
+        even if it is queued only after this."""
+        with self._unhandled_lock:
+            _mark_surfaced(err)
+            try:
+                self._unhandled.remove(err)
+            except ValueError:
+                pass
+
+
+_SURFACED = "_monarch_kernel_surfaced"
+
+
+def _mark_surfaced(err: BaseException) -> None:
+    try:
+        setattr(err, _SURFACED, True)
+    except AttributeError:   # an exception type with __slots__: it may be raised twice
+        pass
+
+
+def already_surfaced(err: BaseException | None) -> bool:
+    """The user was shown ``err`` already (raised to them, or shown under a cell)."""
+    return err is not None and getattr(err, _SURFACED, False)

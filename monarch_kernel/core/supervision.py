@@ -43,6 +43,10 @@ def deliver_unhandled(failure: MeshFailure, error: BaseException | None = None, 
     hook = getattr(mod, "unhandled_fault_hook", default_unhandled_fault_hook) if mod else \
         default_unhandled_fault_hook
     log.error("unhandled supervision failure: %s", failure)
+    from .calls import already_surfaced
+
+    if already_surfaced(error):
+        return   # a cell showed it already (the report raced the cell's own wait)
     if hook is default_unhandled_fault_hook:
         queued = runtime().unhandled()
         if seen or mesh_id in _surfaced or any(_mesh_of(e) == failure.mesh for e in queued):

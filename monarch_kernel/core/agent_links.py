@@ -165,6 +165,11 @@ class AgentLinks:
         self.rt.proc_failed(key, failure)
 
     # ----------------------------------------------------------------- heartbeats
+    def heartbeating(self) -> bool:
+        """Whether ``tick`` has work: a link it heartbeats (a proc's I/O thread, with none,
+        sleeps until something arrives instead of waking to tick)."""
+        return any(link.watched for link in self.links.values())
+
     def tick(self, now: float) -> None:
         for link in list(self.links.values()):
             if not link.watched:

@@ -37,11 +37,14 @@ import zmq
 from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.messages import Fan
-from monarch_kernel.core.runtime import host_id, ipc_name
+from monarch_kernel.core.runtime import host_id, ipc_name, is_local
+from monarch_kernel.core.wire import PLAIN_TYPES
 from monarch_kernel.node.fantree import Retained, addr_of, columns, members, replies_in, reroute, seen_before
 
 log = logging.getLogger("monarch_kernel.agent")
 
+_NOBLOCK, _RCVMORE, _SNDMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE), int(zmq.SNDMORE)
+_SEND = zmq.backend.Socket.send   # the C send, without pyzmq's Python wrapper
 MAX_HELD = 4096   # messages held for one destination before a batch goes regardless
 MAX_CALLS = 8192  # calls still expecting replies here (a dead member's never comes)
 RELAY_WAIT = 10   # a relay holds an incomplete batch this many FANIN_FLUSH_S (20 ms by default)
@@ -173,13 +176,19 @@ class FanRelay:
             below = sum(self._forward(child, contact, call_id, header, bufs, sid) for child in children)
             sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
             sent = 0
+            procs, stamp, dest_id, to_procs = agent.procs, agent.keyring.stamp, wire.dest_id, self.to_procs
             for key in keys:
-                p = agent.procs.get(key)
+                p = procs.get(key)
                 if p is None or p.state != "alive" or p.ref is None:
                     continue   # dead or stopped: the controller hears that from us, once
                 try:
                     addr = p.ref.work_ipc or p.ref.work
-                    self._to_proc(p.ref).send_multipart(agent.keyring.stamp(sealed, wire.dest_id(addr)), copy=False)
+                    sock = to_procs.get(addr) or self._to_proc(p.ref)
+                    frames = stamp(sealed, dest_id(addr))
+                    if len(frames) == 1:
+                        _SEND(sock, frames[0])   # a small call: a copy beats a zero-copy Frame
+                    else:
+                        sock.send_multipart(frames, copy=False)
                     sent += 1
                 except zmq.ZMQError as e:
                     log.warning("could not forward to proc %s: %s", key, e)
@@ -227,17 +236,21 @@ class FanRelay:
     # ---------------------------------------------------------------- fan-in
     def _drain_gather(self) -> None:
         done: dict[int, _Held] = {}
+        gather, opener, recv = self.gather, self.agent.keyring.open, wire.recv_message
+        getsockopt = gather.getsockopt
         for _ in range(10_000):
+            # The routing frame and the reply as bytes (a zmq.Frame apiece cost more than the
+            # copy of a small reply); only a value's out-of-band buffers stay zero-copy.
             try:
-                frames = self.gather.recv_multipart(zmq.NOBLOCK, copy=False)
+                route = gather.recv(_NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) < 2:
+            if not getsockopt(_RCVMORE):
                 continue
-            msg = self.agent.keyring.open(frames[1:], "gather inbox")
+            msg = opener(recv(gather), "gather inbox")
             if type(msg) is not tuple or not msg:
                 continue
-            dest, _, call = bytes(frames[0].buffer).decode(errors="replace").partition("\0")
+            dest, _, call = route.decode(errors="replace").partition("\0")
             call_id = int(call) if call.isdigit() else 0
             h = self._held_for(dest, call_id)
             if h is None:
@@ -353,6 +366,7 @@ class FanRelay:
 
 # -------------------------------------------------------------------- the proc's side
 FAN_PREFIX = "fan+"   # reply_to of a fanned call: the reply goes back through the agent
+_GATHER_IDS = wire.DEST_IDS   # dest_id's cache, read without its call on the reply path
 
 
 def real_address(reply_to):
@@ -366,15 +380,28 @@ def fanned(gather: str | None, reply_to) -> bool:
     return bool(gather) and type(reply_to) is str and reply_to.startswith(FAN_PREFIX)
 
 
+_dumps = pickle.dumps
+
+
 def send_fanned_reply(rt, gather: str, key: bytes, reply_to: str, call_id: int, proc_key: str, ok: bool,
                       value, unsendable) -> None:
     """A fanned call's reply, through the agent: the value pickled apart (see the module
     docstring). ``unsendable(error)``: the ActorError to send when the value won't pickle."""
-    from monarch_kernel.core.runtime import is_local
-
     dest = reply_to[len(FAN_PREFIX):]
+    if type(value) in PLAIN_TYPES:
+        # The usual reply (None, a number, a string): what call_one's lean reply does, through
+        # the agent. A plain value pickles with pickle.dumps as with our picklers (wire.plain),
+        # so both pickles are one C call each, and the message is signed in one pass.
+        header = _dumps(("rv", call_id, proc_key, ok, _dumps(value, 5), []), 5)
+        if len(header) < wire.SMALL_COPY:
+            gid = _GATHER_IDS.get(gather) or wire.dest_id(gather)
+            sock = rt.transport.sender(gather)
+            _SEND(sock, f"{dest}\0{call_id}".encode(), _SNDMORE)
+            _SEND(sock, rt.keyring.sign_one(key, header, gid))
+            return
+    dest_is_local = is_local(dest)
     try:
-        vframes = wire.dumps(value, 1 if is_local(dest) else 0)
+        vframes = wire.dumps(value, 1 if dest_is_local else 0)
     except Exception as e:
         ok, vframes = False, wire.dumps(unsendable(e))
     msg = ("rv", call_id, proc_key, ok, vframes[0], [pickle.PickleBuffer(b) for b in vframes[1:]])

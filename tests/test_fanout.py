@@ -126,3 +126,25 @@ def test_a_proc_killed_in_a_fanned_call_fails_its_member_at_once_and_the_others_
         assert m.slice(gpus=slice(0, 4)).nap.call(0).get(30).values() == [0, 1, 2, 3]
     finally:
         pm.stop()
+
+
+def test_choose_sees_the_members_a_big_call_still_waits_for():
+    """A call of BIG members or more is not counted per member in ``outstanding`` (at 256
+    members that cost the controller ~0.1 ms a call to all); choose() still counts it, and
+    a member that answered, or died, is not busy with it any more."""
+    from monarch_kernel.core.calls import BIG, Calls
+    from monarch_kernel.core.errors import MeshFailure
+    from monarch_kernel.core.shape import Extent
+
+    calls = Calls(lambda fut, timeout: None, lambda: None)
+    keys = [f"p{i}" for i in range(BIG + 4)]
+    big, _ = calls.new_call(keys, Extent(("ranks",), (len(keys),)), "mesh", "big")
+    small, _ = calls.new_call(keys[:2], Extent(("ranks",), (2,)), "mesh", "small")
+    assert [calls.outstanding[k] for k in keys[:3]] == [2, 2, 1]
+    calls.on_none_run(big, keys[:10])
+    calls.on_results([(big, keys[10], True, 5)])
+    calls.proc_failed(keys[11], MeshFailure("m", 11, "h", None, "killed", keys[11]))
+    assert [calls.outstanding.get(k, 0) for k in keys[:13]] == [1, 1] + [0] * 10 + [1]
+    calls.on_results([(small, keys[0], True, None), (small, keys[1], True, None)])
+    calls.on_none_run(big, keys[12:])
+    assert [calls.outstanding[k] for k in keys] == [0] * len(keys) and calls.pending_count() == 0

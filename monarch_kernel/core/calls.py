@@ -28,7 +28,7 @@ class PendingCall:
     'stream' -> items pushed to ``queue`` as they arrive."""
 
     __slots__ = ("future", "keys", "index", "results", "failed", "remaining", "extent", "mode",
-                 "queue", "what", "answered")
+                 "queue", "what", "answered", "counted")
 
     def __init__(self, keys: list[str], extent, mode: str, what: str):
         self.future = Future(what)
@@ -42,6 +42,7 @@ class PendingCall:
         self.mode = mode
         self.queue = None
         self.what = what
+        self.counted = True   # in Calls.outstanding's counter (a big call is counted on demand)
         if mode == "stream":
             import queue
 
@@ -164,6 +165,7 @@ class OneCall(Future):
 
     __slots__ = ("key", "replied", "value", "ok")
     mode = "one"
+    counted = True
     queue = None
     extent = None
 
@@ -228,7 +230,8 @@ class Calls:
         self._ids = itertools.count(1)
         self._waiter = waiter            # Future.get waits through it (Inbox.wait_for)
         self._wake_reader = wake_reader  # a thread blocked on the inbox must re-check its future
-        self.outstanding: collections.Counter = collections.Counter()
+        self.outstanding = Outstanding(self)
+        self._big: dict[int, PendingCall] = {}   # calls of BIG members or more: not in the counter
         self.dead: dict[str, SupervisionError] = {}
         self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
         self.replied_before_death: dict[str, set] = {}   # proc -> calls whose reply is on its way
@@ -240,19 +243,26 @@ class Calls:
         p = PendingCall(keys, extent, mode, what)
         p.future.set_waiter(self._waiter)
         self._pending[call_id] = p
-        out = self.outstanding
-        if len(keys) < 16:
-            for k in keys:
-                out[k] += 1
-        else:
-            out.update(keys)   # +1 for each member, counted in C (its checks cost ~5 us)
+        if len(keys) >= BIG:
+            # Counted when choose() asks (Outstanding), not +1 and -1 per member per call: at 256
+            # members that was ~0.1 ms of the controller's CPU a call to all.
+            p.counted = False
+            big = self._big
+            if len(big) >= 64:
+                for old in [i for i in big if i not in self._pending]:
+                    del big[old]
+            big[call_id] = p
+            return call_id, p
+        out = self.outstanding.counter
+        for k in keys:
+            out[k] += 1
         return call_id, p
 
     def new_one(self, key: str, what: str) -> tuple[int, OneCall]:
         """``new_call([key], ..., "one", what)`` for a single member, with less to set up."""
         call_id = next(self._ids)
         p = self._pending[call_id] = OneCall(key, what, self._waiter)
-        self.outstanding[key] += 1
+        self.outstanding.counter[key] += 1
         return call_id, p
 
     def pending_count(self) -> int:
@@ -274,23 +284,25 @@ class Calls:
 
     def abandon(self, call_id: int) -> None:
         p = self._pending.pop(call_id, None)
-        if p is not None:
+        if p is not None and p.counted:
+            out = self.outstanding.counter
             for k in p.keys:
-                self.outstanding[k] -= 1
+                out[k] -= 1
 
     def on_result(self, msg) -> None:
         _, call_id, key, ok, value = msg   # messages.Reply, in field order (the hot path of every call)
         p = self._pending.get(call_id)
         if p is None:
             return
-        self.outstanding[key] -= 1
+        if p.counted:
+            self.outstanding.counter[key] -= 1
         if p.deliver(key, ok, value):
             self._pending.pop(call_id, None)
 
     def on_results(self, replies: list) -> None:
         """Replies ``(call_id, key, ok, value)`` of one fan-in batch, in arrival order: one
         lookup and one delivery per call rather than per member (core/fanout.py)."""
-        pending, out = self._pending, self.outstanding
+        pending, out = self._pending, self.outstanding.counter
         start, n = 0, len(replies)
         while start < n:
             call_id = replies[start][0]
@@ -300,8 +312,9 @@ class Calls:
             p = pending.get(call_id)
             if p is not None:
                 run = replies[start:end] if start or end < n else replies
-                for r in run:
-                    out[r[1]] -= 1
+                if p.counted:
+                    for r in run:
+                        out[r[1]] -= 1
                 if p.deliver_many(run):
                     pending.pop(call_id, None)
             start = end
@@ -311,8 +324,9 @@ class Calls:
         p = self._pending.get(call_id)
         if p is None:
             return
-        out = self.outstanding   # out[k] -= 1 for each key, in C (a run's keys are distinct)
-        dict.update(out, zip(keys, map(sub, map(out.__getitem__, keys), repeat(1))))
+        if p.counted:
+            out = self.outstanding.counter   # out[k] -= 1 for each key, in C (a run's keys are distinct)
+            dict.update(out, zip(keys, map(sub, map(out.__getitem__, keys), repeat(1))))
         if p.deliver_none_run(keys):
             self._pending.pop(call_id, None)
 
@@ -400,6 +414,33 @@ class Calls:
                 self._unhandled.remove(err)
             except ValueError:
                 pass
+
+
+BIG = 16   # members of a call from which it is counted in ``outstanding`` on demand
+
+
+class Outstanding:
+    """How many of our calls each proc has not answered yet (``choose()`` picks the least
+    busy): a counter for calls of fewer than BIG members, and the big calls' unanswered
+    members counted when asked. Read as a mapping: ``outstanding[key]``, ``.get(key, 0)``."""
+
+    def __init__(self, calls: Calls):
+        self.counter: collections.Counter = collections.Counter()
+        self._calls = calls
+
+    def get(self, key: str, default: int = 0) -> int:
+        n = self.counter.get(key, default)
+        calls = self._calls
+        pending = calls._pending
+        for call_id, p in list(calls._big.items()):
+            if call_id not in pending:
+                continue
+            i = p.index.get(key)
+            if i is not None and not p.answered[i]:   # (a death marks its member answered)
+                n += 1
+        return n
+
+    __getitem__ = get
 
 
 _SURFACED = "_monarch_kernel_surfaced"

@@ -48,6 +48,7 @@ _SEND = zmq.backend.Socket.send   # the C send, without pyzmq's Python wrapper
 MAX_HELD = 4096   # messages held for one destination before a batch goes regardless
 MAX_CALLS = 8192  # calls still expecting replies here (a dead member's never comes)
 RELAY_WAIT = 10   # a relay holds an incomplete batch this many FANIN_FLUSH_S (20 ms by default)
+BATCH_EVERY = 32  # a call to n procs here holds an incomplete batch n // 32 FANIN_FLUSH_S (up to RELAY_WAIT)
 
 
 class _Held:
@@ -199,11 +200,12 @@ class FanRelay:
                 k = (dest, call_id)
                 self.expected[k] = self.expected.get(k, 0) + sent + below
                 up = self.up_of[k] = self.last_up[dest] = addr_of(parent) if parent else ""
-                if below:
-                    # A relay's partial batches each cost the controller a receive: it waits longer
-                    # for its subtree (a complete call still goes at once, a death flushes).
-                    h = self.held_slot(dest, up)
-                    h.window = self.flush_s * RELAY_WAIT
+                # Each partial batch costs the controller a wake and a receive: a relay waits longer
+                # for its subtree, and so does a call to many procs of this host (on 2 cores 256
+                # procs answer over tens of ms; 2 ms windows sent 1.75 batches a call). A complete
+                # call still goes at once, and a death flushes.
+                h = self.held_slot(dest, up)
+                h.window = self.flush_s * (RELAY_WAIT if below else min(RELAY_WAIT, max(1, sent // BATCH_EVERY)))
                 if len(self.expected) > MAX_CALLS:   # calls whose member died before replying
                     for old in list(self.expected)[:MAX_CALLS // 2]:   # oldest first
                         del self.expected[old]

@@ -9,7 +9,8 @@ asleep. Or its main loop waited on the GIL, held by its own runnable telemetry s
 
 The judgement is checked on a fake /proc tree (each case, deterministically) and on a real
 agent starved by the scheduler (root, cgroup v1 cpu controller): a pending request to it
-waits through 5 s of silence instead of failing, and it is never declared lost.
+waits through 5 s of silence instead of failing, and it is never declared lost; starved
+past MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S it is lost, and comes back when it answers.
 """
 from __future__ import annotations
 
@@ -165,6 +166,14 @@ class Starve:
 
     def __enter__(self):
         self.top.mkdir()
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
         (self.top / "cpu.cfs_period_us").write_text("100000")
         (self.top / "cpu.cfs_quota_us").write_text("90000")
         for name, shares in (("hog", 262144), ("starved", 2)):
@@ -177,7 +186,6 @@ class Starve:
         for tid in os.listdir(f"/proc/{self.pid}/task"):
             os.sched_setaffinity(int(tid), {self.cpu})
             (self.top / "starved" / "tasks").write_text(tid)
-        return self
 
     def __exit__(self, *exc):
         cpus = os.sched_getaffinity(0)
@@ -195,7 +203,9 @@ class Starve:
                 try:
                     d.rmdir()
                     break
-                except OSError:
+                except FileNotFoundError:
+                    break
+                except OSError:   # busy until its last task has left
                     time.sleep(0.05)
 
 
@@ -231,5 +241,30 @@ def test_a_real_agent_starved_of_cpu_for_5_s_is_not_declared_lost_and_answers_af
         assert silent > 3.5, f"the agent was heard {silent:.1f} s ago: it was not starved (states {states})"
         assert "R" in states
         assert pm.dead_ranks() == []
+    finally:
+        hm.shutdown()
+
+
+def test_a_real_agent_starved_past_the_starved_host_timeout_is_lost_then_comes_back(monkeypatch):
+    why = _cgroup_v1_cpu()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setenv("MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S", "4.5")   # read by this controller
+    hm = this_host("starved-agent-bound", lease=60)
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 1}, name="starved")
+        addr, pid = hm._agents[0]["addr"], hm._agents[0]["pid"]
+        link = runtime().agents[addr]
+        with Starve(pid, cpu=max(os.sched_getaffinity(0))):
+            t0 = time.monotonic()
+            while not link.lost and time.monotonic() - t0 < 10:
+                time.sleep(0.05)
+            assert link.lost, "a starved agent is tolerated only up to MONARCH_KERNEL_STARVED_HOST_TIMEOUT_S"
+            silent = time.monotonic() - link.last_seen
+            assert 4.4 < silent < 6.0, silent
+        deadline = time.monotonic() + 20
+        while (link.lost or pm.dead_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not link.lost and pm.dead_ranks() == []   # it answered again: its proc is back
     finally:
         hm.shutdown()

@@ -704,7 +704,7 @@ class ProcWorker:
 
 _FAN_PREFIX = fanout.FAN_PREFIX
 _NOBLOCK = int(zmq.NOBLOCK)
-_QUEUED_S = 5e-6   # a blocking recv back within this: the message was already waiting
+_QUEUED_S = 20e-6  # a blocking recv back within this: the message was already waiting
 QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
 HOLD_S = 0.001     # hold replies at most this long
 HOLD_MAX = 32      # replies in one Replies message at most

@@ -293,6 +293,21 @@ def test_salloc_refusal_and_pending_timeout_say_why_and_leave_nothing(cluster):
     assert cluster.queue() == []
     with pytest.raises(ValueError, match="allocation must be"):
         SlurmJob(meshes={"hosts": 1}, allocation="srun")
+    # the interrupt button while salloc waits: its request is revoked, nothing queued or running
+    import signal
+    import threading
+
+    job = SlurmJob(meshes={"hosts": 1}, slurm_args=["--begin=now+3600"], allocation="salloc", name="salloc-int")
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.state(cached_path=None)
+    finally:
+        timer.cancel()
+    assert cluster.queue() == [] and not job.active
+    left = subprocess.run(["pgrep", "-af", "salloc --no-shell --job-name=salloc-int"], capture_output=True, text=True)
+    assert [line for line in left.stdout.splitlines() if "pgrep" not in line] == []
 
 
 def test_salloc_lease_releases_the_allocation_even_with_the_launcher_gone(cluster):

@@ -301,6 +301,12 @@ class SlurmJob(JobTrait):
                 proc.wait(10)
             return
         r = _run(["scancel", str(self.job_id)])
+        if proc is not None:
+            try:
+                proc.wait(5)   # salloc says the request was revoked, and is reaped
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if r.returncode != 0 and "Invalid job id" not in r.stderr:
             raise JobError(f"scancel {self.job_id} failed: {r.stderr.strip()}")
         deadline = time.monotonic() + 10

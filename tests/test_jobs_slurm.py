@@ -263,7 +263,12 @@ def _our_sruns(job_id: str) -> list[str]:
     return [line for line in r.stdout.splitlines() if "pgrep" not in line]
 
 
-def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster):
+def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster, monkeypatch):
+    # as if the kernel ran inside a Slurm job of its own (a notebook server started by sbatch):
+    # srun must not take that job's shape for the new allocation's step
+    for var, value in (("SLURM_JOB_ID", "99999"), ("SLURM_NTASKS", "7"), ("SLURM_NNODES", "1"),
+                       ("SLURM_CPUS_PER_TASK", "3"), ("SLURM_NODELIST", "n1"), ("SLURM_TASKS_PER_NODE", "7")):
+        monkeypatch.setenv(var, value)
     job = SlurmJob(meshes={"trainers": 2}, allocation="salloc", job_name="mk-salloc")
     lines = []
     try:

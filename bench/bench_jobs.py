@@ -24,6 +24,14 @@ Figures (one JSON line each, the shared record format; median of --runs):
                             as each real node has its own
   slurm_first_reply_no_torch_s  the same first reply with MONARCH_KERNEL_NO_TORCH=1 (zygotes skip torch):
                             what the orchestration costs without the per-node torch import
+  slurm_salloc_state_s      SlurmJob(allocation="salloc"): salloc --no-shell + srun, to both agents attached
+  slurm_salloc_first_reply_s        ... to the first reply from 2 nodes x 2 procs (goal <= 1.5 s)
+  slurm_salloc_first_torch_reply_s  ... to the first reply of an endpoint that uses torch (same procs)
+  slurm_salloc_submit_to_nodes_s    salloc to the last node's starter running (allocation + srun step);
+                            slurm_salloc_node_to_agent_s etc.: the same split as the sbatch run's
+  slurm_salloc_kill_s       kill() to nothing queued and no agent left
+  slurm_salloc_first_reply_no_torch_s  salloc, zygotes without torch (MONARCH_KERNEL_NO_TORCH=1)
+  slurm_first_torch_reply_s the sbatch run's first reply of the torch endpoint
   process_first_reply_s     the same first reply with ProcessJob (local agent processes)
   k8s_fake_state_s          KubernetesJob on the FAKE API server (tests/fake_k8s.py): pods created to
                             both agents attached
@@ -77,6 +85,12 @@ def _actor():
             time.sleep(s)
             return s
 
+        @endpoint
+        def torch_sum(self) -> float:
+            import torch
+
+            return float(torch.ones(4).sum())
+
     return Where
 
 
@@ -105,7 +119,10 @@ def slurm_run(cluster, Where) -> dict:
     where = state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
     where.host.call().get(timeout=60)
     out["slurm_first_reply_s"] = time.perf_counter() - t0
-    out.update(_breakdown(job._agents, w0, w_state, time.time()))
+    w_reply = time.time()
+    where.torch_sum.call().get(timeout=60)
+    out["slurm_first_torch_reply_s"] = time.perf_counter() - t0
+    out.update(_breakdown(job._agents, w0, w_state, w_reply))
     out.update(_zygotes(os.path.join(logs, f"monarch-{job.job_id}.out"), job._agents))
     job.disconnect()
     r = subprocess.run([sys.executable, "-c", REATTACH, logs], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -167,6 +184,41 @@ def _zygotes(log: str, agents: list[dict]) -> dict:
     # the ms-resolution log stamp; the last node up against the last zygote to start
     return {"slurm_node_to_zygote_s": max(s for s, _ in seen) - max(t["node_started"] for t in ts),
             "slurm_zygote_preload_s": max(p for _, p in seen)}
+
+
+def slurm_salloc_run(cluster, Where, torch: bool = True) -> dict:
+    """SlurmJob(allocation="salloc"): an interactive allocation, granted in the request."""
+    from monarch_kernel.job import SlurmJob
+
+    if not torch:
+        os.environ["MONARCH_KERNEL_NO_TORCH"] = "1"   # srun passes it to the nodes' zygotes
+    try:
+        job = SlurmJob(meshes={"hosts": 2}, allocation="salloc", name=f"bench-salloc-{int(torch)}")
+        t0, w0 = time.perf_counter(), time.time()
+        state = job.state(cached_path=None)
+        took_state = time.perf_counter() - t0
+        w_state = time.time()
+        where = state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
+        where.host.call().get(timeout=60)
+        first = time.perf_counter() - t0
+        split = {k.replace("slurm_", "slurm_salloc_", 1): v
+                 for k, v in _breakdown(job._agents, w0, w_state, time.time()).items()}
+        if torch:
+            where.torch_sum.call().get(timeout=60)
+            first_torch = time.perf_counter() - t0
+        pids = [a["pid"] for a in job._agents]
+        t1 = time.perf_counter()
+        job.kill()
+        while cluster.queue() or _agents_left(pids):
+            time.sleep(0.01)
+        took_kill = time.perf_counter() - t1
+    finally:
+        os.environ.pop("MONARCH_KERNEL_NO_TORCH", None)
+    if not torch:
+        return {"slurm_salloc_first_reply_no_torch_s": first}
+    out = {"slurm_salloc_state_s": took_state, "slurm_salloc_first_reply_s": first,
+           "slurm_salloc_first_torch_reply_s": first_torch, "slurm_salloc_kill_s": took_kill}
+    return {**out, **split}
 
 
 def slurm_one_node_run(Where) -> dict:
@@ -232,7 +284,8 @@ def k8s_run(Where) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--only", choices=("slurm", "process", "k8s"), help="run one part")
+    p.add_argument("--only", choices=("slurm", "salloc", "process", "k8s"),
+                   help="run one part (salloc: only the SlurmJob(allocation='salloc') figures)")
     a = p.parse_args(argv)
     import cloudpickle
 
@@ -241,16 +294,20 @@ def main(argv=None) -> None:
     from slurm_cluster import SlurmCluster, unavailable
 
     runs: list[dict] = []
-    why = unavailable() if a.only in (None, "slurm") else "not asked for (--only)"
+    why = unavailable() if a.only in (None, "slurm", "salloc") else "not asked for (--only)"
     if why:
         print(f"# no Slurm test cluster: {why}; Slurm figures skipped", file=sys.stderr)
     else:
         with SlurmCluster() as cluster:
             os.environ["SLURM_CONF"] = cluster.conf
             for _ in range(a.runs):
-                runs.append(slurm_run(cluster, Where))
-                runs.append(slurm_no_torch_run(Where))
-                runs.append(slurm_one_node_run(Where))
+                if a.only != "salloc":
+                    runs.append(slurm_run(cluster, Where))
+                runs.append(slurm_salloc_run(cluster, Where))
+                runs.append(slurm_salloc_run(cluster, Where, torch=False))
+                if a.only != "salloc":
+                    runs.append(slurm_no_torch_run(Where))
+                    runs.append(slurm_one_node_run(Where))
     for _ in range(a.runs if a.only in (None, "process") else 0):
         runs.append(process_run(Where))
     try:

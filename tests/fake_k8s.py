@@ -1,9 +1,18 @@
 """A fake Kubernetes API server for the tests (no real one installs here; see RECIPES.md):
-core/v1 pods and secrets (create, get, list with label selectors, delete), watches of pods
-from a resourceVersion, pod logs, and
+core/v1 pods and secrets (create, get, list with label selectors, delete; secrets patched
+with a JSON merge patch), watches of pods from a resourceVersion, pod logs, batch/v1 jobs
+(create, get, list, delete with a propagationPolicy), and
 a "kubelet" that runs each pod's container command as a local process in its own network
 namespace with its own IP (so the fixed agent port behaves as on a cluster), and restarts
 it as the pod's restartPolicy says (Always, OnFailure, Never).
+
+The controllers a real cluster runs, as far as the jobs use them: the Job controller (one
+pod per Job, named ``<job>-<5 chars>``, labelled ``job-name`` and owned by the Job; a new pod
+when it is deleted before the Job finished; ``Complete`` when it succeeds, ``Failed`` past
+``backoffLimit`` restarts), the TTL-after-finished controller (a finished Job is deleted
+``ttlSecondsAfterFinished`` after it finished) and the garbage collector (pods and secrets
+whose every owner, by uid, is gone are deleted). Like the API server, a Job whose pod
+template says ``restartPolicy: Always`` is refused (422).
 
 Images the kubelet knows:
   fake/monarch:*        ``python`` is this venv's interpreter (the project installed)
@@ -54,6 +63,11 @@ class FakeKubernetes:
     def __init__(self, use_netns: bool = True, backoff: float = 0.3):
         self.pods: dict[tuple[str, str], dict] = {}
         self.secrets: dict[tuple[str, str], dict] = {}
+        self.jobs: dict[tuple[str, str], dict] = {}
+        #: resources the fake user may not create ("jobs"): 403, as RBAC says it
+        self.forbidden: set[str] = set()
+        #: API groups the fake does not serve ("batch"): 404, as an API server without them
+        self.unserved: set[str] = set()
         self.created: list[dict] = []
         self.rv = 1                      # resourceVersion, bumped on every pod change
         self.events: list[tuple[int, str, dict]] = []   # (rv, type, pod) for watches
@@ -132,6 +146,90 @@ class FakeKubernetes:
                     self.net.remove(name)
         return pod
 
+    def create_job(self, ns: str, body: dict) -> tuple[int, dict]:
+        job = json.loads(json.dumps(body))
+        name = job["metadata"]["name"]
+        policy = job["spec"]["template"]["spec"].get("restartPolicy")
+        if policy not in ("OnFailure", "Never"):
+            return 422, {"reason": "Invalid", "message": f'Job.batch "{name}" is invalid: spec.template.spec.'
+                         f'restartPolicy: Required value: valid values: "OnFailure", "Never"'}
+        if len(name) > 63:
+            return 422, {"reason": "Invalid", "message": f'Job.batch "{name}" is invalid: metadata.name: must be no '
+                         "more than 63 characters"}
+        job.setdefault("apiVersion", "batch/v1")
+        job.setdefault("kind", "Job")
+        job["metadata"].update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now())
+        job["spec"].setdefault("backoffLimit", 6)
+        job["status"] = {}
+        with self.lock:
+            if (ns, name) in self.jobs:
+                return 409, {"reason": "AlreadyExists", "message": f'jobs.batch "{name}" already exists'}
+            self.jobs[(ns, name)] = job
+            self.created.append(job)
+        return 201, job
+
+    def delete_job(self, ns: str, name: str, propagation: str = "Background") -> dict | None:
+        with self.lock:
+            job = self.jobs.pop((ns, name), None)
+            if job is not None and propagation != "Orphan":
+                self._collect()
+        return job
+
+    def _owners_alive(self, obj: dict) -> bool:
+        refs = obj["metadata"].get("ownerReferences") or []
+        if not refs:
+            return True
+        uids = {o["metadata"]["uid"] for store in (self.jobs, self.pods, self.secrets) for o in store.values()}
+        return any(r["uid"] in uids for r in refs)
+
+    def _collect(self) -> None:
+        """The garbage collector: delete what every owner of has gone."""
+        for (ns, name), pod in list(self.pods.items()):
+            if not self._owners_alive(pod):
+                self.delete_pod(ns, name)
+        for key, sec in list(self.secrets.items()):
+            if not self._owners_alive(sec):
+                del self.secrets[key]
+
+    def _job_controller(self) -> None:
+        now = time.time()
+        for (ns, name), job in list(self.jobs.items()):
+            st, spec = job["status"], job["spec"]
+            if "completionTime" in st or any(c["type"] == "Failed" for c in st.get("conditions", [])):
+                ttl = spec.get("ttlSecondsAfterFinished")
+                if ttl is not None and now >= job["_finished"] + ttl:
+                    self.delete_job(ns, name)   # the TTL-after-finished controller
+                continue
+            mine = [p for p in self.pods.values() if any(r["uid"] == job["metadata"]["uid"]
+                                                          for r in p["metadata"].get("ownerReferences") or [])]
+            for pod in mine:
+                cs = pod["status"]["containerStatuses"][0]
+                if pod["status"]["phase"] == "Succeeded":
+                    st.update(succeeded=1, active=0, completionTime=_now())
+                    st["conditions"] = [{"type": "Complete", "status": "True", "lastTransitionTime": _now()}]
+                    job["_finished"] = now
+                elif pod["status"]["phase"] == "Failed" or cs["restartCount"] > spec["backoffLimit"]:
+                    st["failed"] = st.get("failed", 0) + 1
+                    self.delete_pod(ns, pod["metadata"]["name"])
+                    if st["failed"] > spec["backoffLimit"] or cs["restartCount"] > spec["backoffLimit"]:
+                        st["conditions"] = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                             "lastTransitionTime": _now()}]
+                        job["_finished"] = now
+            if "_finished" in job or any(p["status"]["phase"] in ("Pending", "Running")
+                                         for p in self.pods.values() if p in mine):
+                continue
+            tmpl = spec["template"]
+            labels = {**(tmpl.get("metadata", {}).get("labels") or {}), "job-name": name,
+                      "batch.kubernetes.io/job-name": name, "controller-uid": job["metadata"]["uid"],
+                      "batch.kubernetes.io/controller-uid": job["metadata"]["uid"]}
+            pod_name = f"{name}-{uuid.uuid4().hex[:5]}"
+            self.create_pod(ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                "name": pod_name, "labels": labels, "ownerReferences": [{
+                    "apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"],
+                    "controller": True, "blockOwnerDeletion": True}]}, "spec": json.loads(json.dumps(tmpl["spec"]))})
+            st["active"] = 1
+            st.setdefault("startTime", _now())
+
     def log(self, ns: str, name: str, tail: int | None) -> str | None:
         path = os.path.join(self.dir, f"{ns}_{name}.log")
         if (ns, name) not in self.pods:
@@ -147,7 +245,15 @@ class FakeKubernetes:
     def _kubelet(self) -> None:
         while not self._stop.wait(0.05):
             with self.lock:
-                for key, pod in list(self.pods.items()):
+                pods = list(self.pods.items())   # a pod the Job controller makes now starts next tick
+                try:
+                    self._job_controller()
+                    self._collect()
+                except Exception as e:
+                    print(f"fake job controller: {e}", file=sys.stderr)
+                for key, pod in pods:
+                    if key not in self.pods:
+                        continue
                     before = json.dumps(pod["status"], sort_keys=True)
                     try:
                         self._step(key, pod)
@@ -254,6 +360,16 @@ class FakeKubernetes:
                 p.wait()
 
 
+def _merge(target: dict, patch: dict) -> None:
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            _merge(target[k], v)
+        else:
+            target[k] = v
+
+
 def _public(obj: dict) -> dict:
     return {k: v for k, v in obj.items() if not k.startswith("_")}
 
@@ -289,6 +405,18 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.api
         if parts == ["", "version"]:
             return self._send(200, {"major": "1", "minor": "30", "gitVersion": "v1.30.0-fake"})
+        if len(parts) in (7, 8) and parts[1:5] == ["apis", "batch", "v1", "namespaces"] and parts[6] == "jobs":
+            ns = parts[5]
+            with api.lock:
+                if len(parts) == 7:
+                    items = [_public(o) for (n, _), o in api.jobs.items()
+                             if n == ns and _matches(o["metadata"].get("labels") or {}, q.get("labelSelector"))]
+                    return self._send(200, {"kind": "JobList", "apiVersion": "batch/v1",
+                                            "metadata": {"resourceVersion": str(api.rv)}, "items": items})
+                obj = api.jobs.get((ns, parts[7]))
+                if obj is None:
+                    return self._status(404, "NotFound", f'jobs.batch "{parts[7]}" not found')
+                return self._send(200, _public(obj))
         if len(parts) >= 6 and parts[1:3] == ["api", "v1"] and parts[3] == "namespaces":
             ns, kind = parts[4], parts[5]
             store = api.pods if kind == "pods" else api.secrets if kind == "secrets" else None
@@ -340,6 +468,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         parts, _ = self._route()
         api = self.api
+        if len(parts) == 7 and parts[1:5] == ["apis", "batch", "v1", "namespaces"] and parts[6] == "jobs":
+            if "batch" in api.unserved:
+                return self._status(404, "NotFound", "the server could not find the requested resource")
+            if "jobs" in api.forbidden:
+                return self._status(403, "Forbidden", f'jobs.batch is forbidden: User "fake" cannot create resource '
+                                                      f'"jobs" in API group "batch" in the namespace "{parts[5]}"')
+            code, obj = api.create_job(parts[5], self._body())
+            if code != 201:
+                return self._status(code, obj["reason"], obj["message"])
+            return self._send(201, _public(obj))
         if len(parts) == 6 and parts[1:4] == ["api", "v1", "namespaces"]:
             ns, kind, body = parts[4], parts[5], self._body()
             if kind == "pods":
@@ -358,9 +496,30 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(201, body)
         return self._status(404, "NotFound", f"no route {self.path}")
 
-    def do_DELETE(self):
+    def do_PATCH(self):
+        """Secrets: a JSON merge patch (what the jobs send: metadata.ownerReferences)."""
         parts, _ = self._route()
         api = self.api
+        if len(parts) == 7 and parts[1:4] == ["api", "v1", "namespaces"] and parts[5] == "secrets":
+            patch = self._body()
+            with api.lock:
+                obj = api.secrets.get((parts[4], parts[6]))
+                if obj is None:
+                    return self._status(404, "NotFound", f'secrets "{parts[6]}" not found')
+                _merge(obj, patch)
+                return self._send(200, _public(obj))
+        return self._status(404, "NotFound", f"no route {self.path}")
+
+    def do_DELETE(self):
+        parts, q = self._route()
+        api = self.api
+        if len(parts) == 8 and parts[1:5] == ["apis", "batch", "v1", "namespaces"] and parts[6] == "jobs":
+            body = self._body()
+            job = api.delete_job(parts[5], parts[7], body.get("propagationPolicy") or q.get("propagationPolicy")
+                                 or "Background")
+            if job is None:
+                return self._status(404, "NotFound", f'jobs.batch "{parts[7]}" not found')
+            return self._send(200, _public(job))
         if len(parts) == 7 and parts[1:4] == ["api", "v1", "namespaces"]:
             ns, kind, name = parts[4], parts[5], parts[6]
             if kind == "pods":

@@ -211,6 +211,10 @@ def test_connect_shorthands_make_the_job_they_name_and_bad_combinations_say_why(
     assert (slurm.kind, slurm.name, slurm.meshes, slurm.slurm_args) == \
         ("slurm", "train", {"hosts": 2}, ["-p", "gpu", "--gpus-per-node", "8"])
     assert job_from_args({}, _connect_args('train --slurm "-N 2"'), 90.0).lease == 90.0   # --lease
+    assert slurm.allocation == "sbatch"
+    assert job_from_args({}, _connect_args('train --slurm "-N 2" --salloc'), None).allocation == "salloc"
+    with pytest.raises(UsageError, match="--salloc goes with --slurm"):
+        job_from_args({}, _connect_args("train --salloc"), None)
     k8s = job_from_args({}, _connect_args("kube --k8s ml --image img:1 --replicas 3"), None)
     assert (k8s.kind, k8s.namespace, k8s.meshes) == ("kubernetes", "ml", {"hosts": 3})
     ssh = job_from_args({}, _connect_args("far --ssh gpu1,alice@gpu2:2222"), None)

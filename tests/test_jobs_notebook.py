@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 
 import pytest
@@ -114,6 +115,29 @@ def test_interrupting_a_queued_connect_cancels_the_request(k, cluster):
     assert cluster.queue() == []
 
 
+def test_connect_salloc_survives_a_kernel_restart_and_stop_leaves_nothing(k, cluster):
+    """--salloc: an interactive allocation whose step's srun runs on the kernel's machine in
+    a session of its own: a kernel restart does not end it; %mesh stop ends it all."""
+    cell = '%mesh connect quick --slurm "-N 2 --time 30" --salloc --procs 1'
+    r = k.ok(cell, timeout=120)
+    m = re.search(r"mesh 'quick': 2 procs \(hosts=2, gpus=1\) on slurm job (\d+) started", r.stdout)
+    assert m, r.stdout
+    job_id = m.group(1)
+    assert "allocated; starting the agents" in _texts(r)
+    k.ok("%%on_mesh\nimport socket\nwhere = f'{socket.gethostname()} rank {rank}'")
+    k.restart()
+    r = k.ok(cell, timeout=60)
+    assert f"on slurm job {job_id} re-attached" in r.stdout, r.stdout
+    out = k.ok("%%on_mesh\nwhere")
+    assert "n1 rank 0" in out.stdout + out.result and "n2 rank 1" in out.stdout + out.result
+    k.ok("%mesh stop quick", timeout=60)
+    assert cluster.queue() == []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and subprocess.run(["pgrep", "-f", f"srun --jobid={job_id} "]).returncode == 0:
+        time.sleep(0.1)
+    assert subprocess.run(["pgrep", "-f", f"srun --jobid={job_id} "]).returncode != 0
+
+
 def test_connect_k8s_runs_cells_in_pods_of_the_fake_cluster_and_stop_deletes_them(k, k8s):
     if k8s is None:
         pytest.skip("the kubernetes client is an extra: pip install 'monarch-kernel[kubernetes]'")
@@ -125,10 +149,10 @@ def test_connect_k8s_runs_cells_in_pods_of_the_fake_cluster_and_stop_deletes_the
     assert "mk-kube-" in out.stdout + out.result and "-hosts-1" in out.stdout + out.result
     status = k.ok("%mesh status")
     shown = status.stdout + _texts(status) + status.result
-    assert re.search(r"kubernetes job mk-kube-\w+ \(pods Running 2/2 on mk-kube-\w+-hosts-0,mk-kube-\w+-hosts-1\)",
-                     shown), shown
+    assert re.search(r"kubernetes job mk-kube-\w+ \(pods Running 2/2 on mk-kube-\w+-hosts-0(-\w+)?,"
+                     r"mk-kube-\w+-hosts-1(-\w+)?\)", shown), shown
     k.ok("%mesh stop kube", timeout=60)
-    assert not k8s.pods and not k8s.secrets
+    assert not k8s.pods and not k8s.secrets and not k8s.jobs
 
 
 @pytest.mark.timeout(300)

@@ -255,3 +255,88 @@ def test_an_agent_killed_on_its_node_takes_its_zygote_and_procs_with_it(cluster)
     finally:
         job.kill()
     assert cluster.queue() == []
+
+
+# ---------------------------------------------------------------- allocation="salloc"
+def _our_sruns(job_id: str) -> list[str]:
+    r = subprocess.run(["pgrep", "-af", f"srun --jobid={job_id} "], capture_output=True, text=True)
+    return [line for line in r.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster, monkeypatch):
+    # as if the kernel ran inside a Slurm job of its own (a notebook server started by sbatch):
+    # srun must not take that job's shape for the new allocation's step
+    for var, value in (("SLURM_JOB_ID", "99999"), ("SLURM_NTASKS", "7"), ("SLURM_NNODES", "1"),
+                       ("SLURM_CPUS_PER_TASK", "3"), ("SLURM_NODELIST", "n1"), ("SLURM_TASKS_PER_NODE", "7")):
+        monkeypatch.setenv(var, value)
+    job = SlurmJob(meshes={"trainers": 2}, allocation="salloc", job_name="mk-salloc")
+    lines = []
+    try:
+        procs = job.state(progress=lines.append).trainers.spawn_procs(per_host={"gpus": 2})
+        got = procs.spawn("c", Counter).bump.call().get(timeout=120)
+        assert sorted(h for h, _ in got.values()) == ["n1", "n1", "n2", "n2"]
+        assert any("allocated; starting the agents" in line for line in lines), lines
+        assert _our_sruns(job.job_id)   # the step's srun runs here, in a session of its own
+        job_id = job.job_id
+    finally:
+        job.kill()
+    assert cluster.queue() == []
+    deadline = time.monotonic() + 10
+    while _our_sruns(job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _our_sruns(job_id) == []
+
+
+def test_salloc_refusal_and_pending_timeout_say_why_and_leave_nothing(cluster):
+    with pytest.raises(JobError, match="salloc refused .*[Ii]nvalid partition"):
+        SlurmJob(meshes={"hosts": 2}, partition="nosuch", allocation="salloc").state(cached_path=None)
+    job = SlurmJob(meshes={"hosts": 1}, slurm_args=["--begin=now+3600"], job_start_timeout=1.0, allocation="salloc")
+    lines = []
+    with pytest.raises(JobError, match=r"still pending after 1 s \(BeginTime\); it was cancelled"):
+        job.state(cached_path=None, progress=lines.append)
+    assert any("queued (BeginTime)" in line for line in lines), lines
+    assert cluster.queue() == []
+    with pytest.raises(ValueError, match="allocation must be"):
+        SlurmJob(meshes={"hosts": 1}, allocation="srun")
+    # the interrupt button while salloc waits: its request is revoked, nothing queued or running
+    import signal
+    import threading
+
+    job = SlurmJob(meshes={"hosts": 1}, slurm_args=["--begin=now+3600"], allocation="salloc", name="salloc-int")
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.state(cached_path=None)
+    finally:
+        timer.cancel()
+    assert cluster.queue() == [] and not job.active
+    left = subprocess.run(["pgrep", "-af", "salloc --no-shell --job-name=salloc-int"], capture_output=True, text=True)
+    assert [line for line in left.stdout.splitlines() if "pgrep" not in line] == []
+
+
+def test_salloc_lease_releases_the_allocation_even_with_the_launcher_gone(cluster):
+    """At the lease the agents end and the allocation is cancelled (an interactive
+    allocation would otherwise sit idle until its time limit); the nodes do it themselves
+    when the srun on the kernel's machine is gone too."""
+    import signal
+
+    for launcher_gone in (False, True):
+        job = SlurmJob(meshes={"hosts": 2}, lease=2.0, allocation="salloc", name=f"salloc-lease-{int(launcher_gone)}")
+        try:
+            job.state(cached_path=None)
+            job_id = job.job_id
+            if launcher_gone:   # the wrapper first, so it cannot cancel; then srun (its tasks get a SIGTERM)
+                for line in subprocess.run(["pgrep", "-af", "j=\\$1; shift; srun"], capture_output=True,
+                                           text=True).stdout.splitlines():
+                    if f" {job_id} " in line:
+                        os.kill(int(line.split()[0]), signal.SIGKILL)
+                for line in _our_sruns(job_id):
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+            job.disconnect()
+            deadline = time.monotonic() + 30
+            while cluster.queue() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert cluster.queue() == [], launcher_gone
+        finally:
+            job.kill()

@@ -7,10 +7,17 @@
     procs = job.state().trainers.spawn_procs(per_host={"gpus": 8})
 
 Provisioning mode creates one core/v1 pod per host (labelled with the job and the mesh,
-Monarch's labels), running ``python -m workers.agent`` with the image's own ``python``;
-the mesh key reaches it through a Secret referenced by ``secretKeyRef``, never a literal
-in the pod spec. "Ready" is not "agent up": container states are watched while waiting
-for the agent's port, and a pod that cannot start (CrashLoopBackOff, ErrImagePull, ...)
+Monarch's labels) running ``python -m workers.agent`` with the image's own ``python``; the
+mesh key reaches it through a Secret referenced by ``secretKeyRef``, never a literal in the
+pod spec. After the lease the agents end and their pods show ``Succeeded`` (holding no
+node resources); the pod objects and the Secret stay until ``kill()`` or ``%mesh stop``,
+since a bare pod may not delete itself without API rights. With ``workload="jobs"`` each
+host is instead a batch/v1 Job of one pod with ``ttlSecondsAfterFinished: 0`` that owns
+the Secret (``ownerReferences``): after the lease Kubernetes deletes the finished Jobs, and
+its garbage collector their pods and the Secret, so nothing is left and the agents need no
+API rights (where RBAC refuses Jobs, or the API serves none, it falls back to bare pods
+with a warning). ``kill()`` deletes everything at once. "Ready" is not "agent up": container
+states are watched while waiting for the agent's port, and a pod that cannot start (CrashLoopBackOff, ErrImagePull, ...)
 fails the job with its name and last log lines. Pod changes arrive through a watch from
 the listed resourceVersion (no polling of the API server while pods are pending).
 
@@ -42,6 +49,11 @@ KEY_SECRET = "monarch-worker-key"
 #: ends cleanly at its lease is not: its pod becomes Succeeded and holds no resources.
 #: ("Always" would start a fresh, empty agent forever, keeping the GPUs.)
 RESTART = "OnFailure"
+#: A finished Job (its agent ended at its lease, or crashed past backoffLimit) is deleted at
+#: once by the TTL-after-finished controller, and with it its pod and (owned) the Secret.
+FINISHED_TTL_S = 0
+#: ``KubernetesJob(workload=...)``: "pods" (the default: one core/v1 pod per host) or "jobs".
+WORKLOADS = ("pods", "jobs")
 _FAILING = {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
             "CreateContainerError", "RunContainerError", "ErrImageNeverPull"}
 
@@ -63,8 +75,14 @@ class KubernetesJob(JobTrait):
     _meshes_later = True
 
     def __init__(self, namespace: str = "default", kubeconfig: str | None = None, context: str | None = None,
-                 job_start_timeout: float | None = 600.0, *, name: str | None = None, lease: float | None = None):
+                 job_start_timeout: float | None = 600.0, *, name: str | None = None, lease: float | None = None,
+                 workload: str = "pods"):
+        if workload not in WORKLOADS:
+            raise ValueError(f"KubernetesJob(workload={workload!r}): use 'pods' (one core/v1 pod per host; after "
+                             "the lease its Succeeded pods and Secret stay until kill()) or 'jobs' (one batch/v1 "
+                             "Job per host, which Kubernetes deletes with its pod and the Secret after the lease)")
         self.namespace, self.kubeconfig, self.context = namespace, kubeconfig, context
+        self.workload = workload
         self.job_start_timeout = job_start_timeout
         self._mesh_specs: dict[str, dict] = {}
         super().__init__({}, name=name, lease=lease)
@@ -96,12 +114,13 @@ class KubernetesJob(JobTrait):
 
     def spec(self) -> dict:
         return {"namespace": self.namespace, "kubeconfig": self.kubeconfig, "context": self.context,
-                "job_start_timeout": self.job_start_timeout, "mesh_specs": self._mesh_specs}
+                "job_start_timeout": self.job_start_timeout, "mesh_specs": self._mesh_specs,
+                "workload": self.workload}
 
     @classmethod
     def _from_spec(cls, spec: dict, *, name: str, lease: float | None) -> KubernetesJob:
         job = cls(spec["namespace"], spec["kubeconfig"], spec["context"], spec["job_start_timeout"], name=name,
-                  lease=lease)
+                  lease=lease, workload=spec.get("workload", "pods"))
         for mesh, ms in spec["mesh_specs"].items():
             job.add_mesh(mesh, **ms)
         return job
@@ -125,15 +144,36 @@ class KubernetesJob(JobTrait):
         return client.CoreV1Api(client.ApiClient(cfg))
 
     def _prefix(self) -> str:
-        return f"mk-{_dns(self.name, 40)}-{hashlib.sha1(self.name.encode()).hexdigest()[:5]}"
+        # short enough that a Job's name stays a label value (63) with the pod's 6 more
+        return f"mk-{_dns(self.name, 30)}-{hashlib.sha1(self.name.encode()).hexdigest()[:5]}"
+
+    def _job_name(self, mesh: str, index: int) -> str:
+        return f"{self._prefix()}-{_dns(mesh, 12)}-{index}"
+
+    def job_manifest(self, mesh: str, index: int, secret: str):
+        """The batch/v1 Job of host ``index`` of ``mesh``: one pod (``pod_manifest``), not
+        restarted once it succeeds, deleted with its pod as soon as it finishes."""
+        from kubernetes import client
+
+        pod = self.pod_manifest(mesh, index, secret)
+        if not isinstance(pod, dict):
+            pod = client.ApiClient().sanitize_for_serialization(pod)
+        if pod["spec"].get("restartPolicy") not in ("OnFailure", "Never"):   # a Job allows only these
+            pod["spec"]["restartPolicy"] = RESTART
+        meta = pod["metadata"]
+        return {"apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": meta["name"], "labels": meta["labels"]},
+                "spec": {"completions": 1, "parallelism": 1, "ttlSecondsAfterFinished": FINISHED_TTL_S,
+                         "template": {"metadata": {"labels": meta["labels"]}, "spec": pod["spec"]}}}
 
     def pod_manifest(self, mesh: str, index: int, secret: str):
         """The pod of host ``index`` of ``mesh``: a ``kubernetes.client.V1Pod`` (or, from a
-        pod_template, the template with the agent's command and env added)."""
+        pod_template, the template with the agent's command and env added); its Job's
+        template (``job_manifest``)."""
         from kubernetes import client
 
         spec = self._mesh_specs[mesh]
-        pod_name = f"{self._prefix()}-{_dns(mesh, 12)}-{index}"
+        pod_name = self._job_name(mesh, index)
         labels = {APP_LABEL: APP, MESH_LABEL: mesh, INDEX_LABEL: str(index), JOB_LABEL: self._prefix()}
         command = ["python", "-m", "workers.agent", "--bind", "$(POD_IP)", "--port", str(AGENT_PORT), "--persistent",
                    "--lease", str(self.lease), "--name", pod_name]
@@ -173,7 +213,7 @@ class KubernetesJob(JobTrait):
             return self._attach_running(api, progress)
         prefix = self._prefix()
         secret = f"{prefix}-key"
-        self._handle = {"id": prefix, "pods": [], "secret": secret}
+        self._handle = {"id": prefix, "jobs": [], "secret": secret}
         body = V1Secret(api_version="v1", kind="Secret", type="Opaque",
                         metadata=V1ObjectMeta(name=secret, labels={JOB_LABEL: prefix}),
                         data={"key": base64.b64encode(key.hex().encode()).decode()})
@@ -184,6 +224,44 @@ class KubernetesJob(JobTrait):
                 raise JobError(f"kubernetes refused the secret {secret}: {_reason(e)}") from None
             api.delete_namespaced_secret(secret, self.namespace)
             api.create_namespaced_secret(self.namespace, body)
+        if self.workload == "pods":
+            return self._create_pods(api, secret, progress)
+        want, owners = [], []
+        batch = self._batch_api(api)
+        for mesh, n in self._meshes.items():
+            for i in range(n):
+                body = self.job_manifest(mesh, i, secret)
+                name = body["metadata"]["name"]
+                try:
+                    made = batch.create_namespaced_job(self.namespace, body)
+                except ApiException as e:
+                    if e.status in (403, 404) and not want:   # no rights on (or no API for) Jobs: bare pods
+                        log.warning("kubernetes refused to create jobs (%s): creating bare pods instead; after "
+                                    "their lease their Succeeded pods and the Secret stay until kill() or "
+                                    "%%mesh stop (grant create, list, delete on jobs.batch to have Kubernetes "
+                                    "remove them)", _reason(e))
+                        progress("kubernetes: no rights on batch Jobs; creating bare pods")
+                        return self._create_pods(api, secret, progress)
+                    raise JobError(f"kubernetes refused job {name}: {_reason(e)}") from None
+                self._handle["jobs"].append(name)
+                owners.append({"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": made.metadata.uid})
+                want.append((mesh, i, name))
+        try:   # the Secret goes with the last of them (the garbage collector deletes it)
+            api.patch_namespaced_secret(secret, self.namespace, {"metadata": {"ownerReferences": owners}})
+        except ApiException as e:
+            log.warning("could not make the jobs own secret %s (%s): it stays after their lease, until "
+                        "kill() or %%mesh stop", secret, _reason(e))
+        progress(f"kubernetes: created {len(want)} jobs in namespace {self.namespace}")
+        pods = self._wait_for_agents(api, [w[2] for w in want], f"{JOB_LABEL}={prefix}", {}, progress,
+                                     key=_job_of)
+        return [{"addr": f"tcp://{pods[name][1]}:{AGENT_PORT}", "host": pods[name][0], "pid": None, "mesh": mesh,
+                 "rank": i} for mesh, i, name in want]
+
+    def _create_pods(self, api, secret: str, progress: Progress) -> list[dict]:
+        """One bare pod per host (the default, and where the user may not create batch Jobs)."""
+        from kubernetes.client.rest import ApiException
+
+        self._handle["pods"] = []
         want = []
         for mesh, n in self._meshes.items():
             for i in range(n):
@@ -196,27 +274,41 @@ class KubernetesJob(JobTrait):
                 self._handle["pods"].append(name)
                 want.append((mesh, i, name))
         progress(f"kubernetes: created {len(want)} pods in namespace {self.namespace}")
-        ips = self._wait_for_agents(api, [w[2] for w in want], f"{JOB_LABEL}={prefix}", {}, progress)
-        return [{"addr": f"tcp://{ips[name]}:{AGENT_PORT}", "host": name, "pid": None, "mesh": mesh, "rank": i}
+        ips = self._wait_for_agents(api, [w[2] for w in want], f"{JOB_LABEL}={self._handle['id']}", {}, progress)
+        return [{"addr": f"tcp://{ips[name][1]}:{AGENT_PORT}", "host": name, "pid": None, "mesh": mesh, "rank": i}
                 for mesh, i, name in want]
 
-    def _wait_for_agents(self, api, names: list[str], selector: str, ports: dict, progress: Progress) -> dict:
+    def _batch_api(self, core):
+        from kubernetes import client
+
+        return client.BatchV1Api(core.api_client)
+
+    def _wait_for_agents(self, api, names: list[str], selector: str, ports: dict, progress: Progress,
+                         key=lambda pod: pod.metadata.name) -> dict:
+        """Wait until each of ``names`` (pod names, or for our Jobs their names: ``key``
+        maps a pod to one) has a Running pod whose agent's port is open: {name: (pod, ip)}."""
         start = time.monotonic()
         last = ""
         while True:
             listed = api.list_namespaced_pod(self.namespace, label_selector=selector)
-            pods = {p.metadata.name: p for p in listed.items}
+            pods = {}
+            for p in sorted(listed.items, key=lambda p: str(p.metadata.creation_timestamp or "")):
+                if p.metadata.deletion_timestamp is None:
+                    pods[key(p)] = p   # a Job's newest pod
             counts: dict[str, int] = {}
-            ips: dict[str, str] = {}
+            ips: dict[str, tuple] = {}
             for name in names:
                 pod = pods.get(name)
                 if pod is None:
-                    raise JobGoneError(f"pod {name} was deleted while the job started")
+                    if key is not _job_of:
+                        raise JobGoneError(f"pod {name} was deleted while the job started")
+                    counts["Pending"] = counts.get("Pending", 0) + 1   # its Job has not made it yet
+                    continue
                 state = self._check_pod(api, pod)
                 counts[state] = counts.get(state, 0) + 1
                 ip = pod.status.pod_ip
                 if state == "Running" and ip and _port_open(ip, ports.get(name, AGENT_PORT)):
-                    ips[name] = ip
+                    ips[name] = (pod.metadata.name, ip)
             line = "pods: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + \
                 f"; agents up {len(ips)}/{len(names)}"
             if line != last:
@@ -225,7 +317,8 @@ class KubernetesJob(JobTrait):
             if len(ips) == len(names):
                 return ips
             if self.job_start_timeout is not None and time.monotonic() - start > self.job_start_timeout:
-                why = "".join(f"; pod {n}: {_unschedulable(pods[n])}" for n in names if _unschedulable(pods[n]))
+                why = "".join(f"; pod {pods[n].metadata.name}: {_unschedulable(pods[n])}" for n in names
+                              if n in pods and _unschedulable(pods[n]))
                 raise JobError(f"kubernetes job {self.name!r}: not every agent was up after "
                                f"{self.job_start_timeout:g} s ({line}{why}); its pods were deleted. Raise "
                                "job_start_timeout or ask for what a node has")
@@ -285,7 +378,7 @@ class KubernetesJob(JobTrait):
         except ApiException as e:
             raise JobError(f"attach-only job: cannot read Secret {KEY_SECRET} in {self.namespace}: {_reason(e)}; the "
                            "pods' agents take their key from it (data 'key', hex)") from None
-        self._handle = {"id": f"attach-{self._prefix()}", "pods": [], "secret": None}
+        self._handle = {"id": f"attach-{self._prefix()}", "jobs": [], "secret": None}
         self._key_from_create = key
         agents = []
         for mesh, spec in self._mesh_specs.items():
@@ -299,7 +392,7 @@ class KubernetesJob(JobTrait):
             pods = pods[:spec["num_replicas"]]
             ports = {p.metadata.name: _agent_port(p) for p in pods}
             ips = self._wait_for_agents(api, list(ports), sel, ports, progress)
-            agents += [{"addr": f"tcp://{ips[p.metadata.name]}:{ports[p.metadata.name]}", "host": p.metadata.name,
+            agents += [{"addr": f"tcp://{ips[p.metadata.name][1]}:{ports[p.metadata.name]}", "host": p.metadata.name,
                         "pid": None, "mesh": mesh, "rank": i} for i, p in enumerate(pods)]
         return agents
 
@@ -313,6 +406,16 @@ class KubernetesJob(JobTrait):
         for a in self._agents:
             pod = pods.get(a["host"])
             if pod is None:
+                if self._handle and self._handle.get("jobs"):
+                    try:
+                        jobs = {j.metadata.name for j in self._batch_api(api).list_namespaced_job(
+                            self.namespace, label_selector=f"{JOB_LABEL}={self._handle['id']}").items}
+                    except Exception:
+                        jobs = None
+                    if jobs is not None and not jobs:
+                        return (f"pod {a['host']} was deleted, with its Job: the agents ended at their lease "
+                                "(no notebook attached) and Kubernetes removed the finished Jobs, or they were "
+                                "deleted")
                 return f"pod {a['host']} was deleted"
             if pod.status.phase == "Succeeded":
                 return f"pod {a['host']} is Succeeded: its agent ended (its lease ran out with no notebook attached)"
@@ -326,7 +429,19 @@ class KubernetesJob(JobTrait):
         from kubernetes.client.rest import ApiException
 
         api = self._api()
-        for name in self._handle.get("pods", []):
+        batch = self._batch_api(api)
+        for name in self._handle.get("jobs", []):
+            try:   # their pods are deleted below at once, not left to the garbage collector
+                batch.delete_namespaced_job(name, self.namespace, grace_period_seconds=0,
+                                            propagation_policy="Background")
+            except ApiException as e:
+                if e.status != 404:
+                    raise JobError(f"could not delete job {name}: {_reason(e)}") from None
+        pods = list(self._handle.get("pods", []))   # a job cached by an older version made bare pods
+        if self._handle.get("jobs"):
+            pods += [p.metadata.name for p in api.list_namespaced_pod(
+                self.namespace, label_selector=f"{JOB_LABEL}={self._handle['id']}").items]
+        for name in pods:
             try:
                 api.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
             except ApiException as e:
@@ -349,6 +464,15 @@ class KubernetesJob(JobTrait):
         reason = self._gone_reason() if self._agents else None
         out["state"] = reason or f"pods Running {len(self._agents)}/{len(self._agents)}"
         return out
+
+
+def _job_of(pod) -> str | None:
+    """The Job a pod of ours belongs to (its name: our labels give it, whoever made the pod)."""
+    labels = pod.metadata.labels or {}
+    for ref in pod.metadata.owner_references or []:
+        if ref.kind == "Job":
+            return ref.name
+    return labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
 
 
 def _unschedulable(pod) -> str | None:

@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=None, help="this host's rank (default: from the scheduler)")
     p.add_argument("--key-stdin", action="store_true", help="read the key (hex) from the first line of stdin")
     p.add_argument("--detach", action="store_true", help="exit once the agent is up; it keeps running")
+    p.add_argument("--scancel-at-end", action="store_true",
+                   help="when the agent ends cleanly (its lease, a stop), cancel this Slurm job: an "
+                        "interactive allocation (SlurmJob(allocation='salloc')) would otherwise outlive it")
     p.add_argument("--batch-started", default="",
                    help="when the batch script started (Slurm's `date +%%s.%%N`), for the timing in the report")
     a = p.parse_args(argv)
@@ -136,6 +139,12 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             ZYGOTE.kill()
             ZYGOTE.wait()
+    if a.scancel_at_end and code == 0 and os.environ.get("SLURM_JOB_ID"):
+        try:   # the launcher on the kernel's machine does it too; this covers that machine gone
+            subprocess.run(["scancel", "--quiet", os.environ["SLURM_JOB_ID"]], timeout=30,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     return code
 
 

@@ -1,6 +1,14 @@
 """``SlurmJob``: one ``sbatch`` allocation holding every mesh; ``srun`` starts one host
 agent per node inside it (``python -m monarch_kernel.job.node``).
 
+``SlurmJob(..., allocation="salloc")`` asks for an interactive allocation instead
+(``salloc --no-shell``), which Slurm grants in the request itself rather than at its next
+scheduling pass (a batch job waits for that pass: 0.05-1.05 s on a 1 s tick, and its
+``srun`` step starts later still), and starts the agents with an ``srun`` the kernel
+launches in a session of its own. The agents then live as long as that ``srun`` does:
+it outlives a kernel restart, but not the machine the kernel runs on (a batch job's
+agents do). When the agents end (lease, ``%mesh stop``), the allocation is cancelled.
+
 The batch script goes to ``sbatch`` on stdin and the mesh key in its environment (Slurm
 keeps a job's environment readable only by its owner and root), never on a command line.
 Each node's agent reports its address to the kernel's rendezvous, so nothing needs a
@@ -11,10 +19,12 @@ says what ``squeue`` says; an interrupt or ``job_start_timeout`` cancels the req
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,7 +60,12 @@ class SlurmJob(JobTrait):
                  job_name: str | None = None, time_limit: str | None = None, partition: str | None = None,
                  gpus_per_node: int | None = None, cpus_per_task: int | None = None, mem: str | None = None,
                  account: str | None = None, qos: str | None = None, log_dir: str | None = None,
-                 job_start_timeout: float | None = None, *, name: str | None = None, lease: float | None = None):
+                 job_start_timeout: float | None = None, allocation: str = "sbatch", *, name: str | None = None,
+                 lease: float | None = None):
+        if allocation not in ("sbatch", "salloc"):
+            raise ValueError(f"allocation must be 'sbatch' (a batch job) or 'salloc' (an interactive allocation, "
+                             f"granted at once), got {allocation!r}")
+        self.allocation = allocation
         if isinstance(slurm_args, str):
             slurm_args = shlex.split(slurm_args)
         self.python_exe = python_exe
@@ -66,24 +81,33 @@ class SlurmJob(JobTrait):
                 "job_name": self.job_name, "time_limit": self.time_limit, "partition": self.partition,
                 "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task, "mem": self.mem,
                 "account": self.account, "qos": self.qos, "log_dir": self.log_dir,
-                "job_start_timeout": self.job_start_timeout}
+                "job_start_timeout": self.job_start_timeout,
+                **({"allocation": self.allocation} if self.allocation != "sbatch" else {})}
 
     # ------------------------------------------------------------------ sbatch
-    def sbatch_args(self) -> list[str]:
+    def _resource_args(self) -> list[str]:
         total = sum(self._meshes.values())
-        args = ["sbatch", "--parsable", f"--job-name={self.job_name or self.name}", f"--nodes={total}",
-                "--ntasks-per-node=1"]
+        args = [f"--job-name={self.job_name or self.name}", f"--nodes={total}", "--ntasks-per-node=1"]
         for flag, value in (("--time", self.time_limit), ("--partition", self.partition),
                             ("--gpus-per-node", self.gpus_per_node), ("--cpus-per-task", self.cpus_per_task),
                             ("--mem", self.mem), ("--account", self.account), ("--qos", self.qos)):
             if value is not None:
                 args.append(f"{flag}={value}")
+        return args
+
+    def sbatch_args(self) -> list[str]:
         out = os.path.join(self.log_dir, "monarch-%j.out") if self.log_dir else "/dev/null"
-        return [*args, f"--output={out}", *self.slurm_args]
+        return ["sbatch", "--parsable", *self._resource_args(), f"--output={out}", *self.slurm_args]
+
+    def salloc_args(self) -> list[str]:
+        return ["salloc", "--no-shell", *self._resource_args(), *self.slurm_args]
+
+    def _node_command(self, report: str, token: str) -> list[str]:
+        return [self.python_exe, "-m", "monarch_kernel.job.node", "--report", report, "--token", token,
+                "--lease", str(self.lease), "--name", self.name]
 
     def batch_script(self, report: str, token: str) -> str:
-        node = [self.python_exe, "-m", "monarch_kernel.job.node", "--report", report, "--token", token,
-                "--lease", str(self.lease), "--name", self.name]
+        node = self._node_command(report, token)
         return ("#!/bin/sh\n# monarch-kernel: one host agent per node; the job ends when they do.\n"
                 f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(node)} "
                 '--batch-started "$(date +%s.%N)"\n')
@@ -98,6 +122,9 @@ class SlurmJob(JobTrait):
         try:
             env = dict(os.environ, MONARCH_KERNEL_KEY=key.hex())
             submitted = time.time()
+            if self.allocation == "salloc":
+                self._salloc(env, rv, token, total, progress)
+                return self._wait_for_agents(rv, total, progress, submitted)
             r = _run(self.sbatch_args(), input=self.batch_script(rv.address, token), env=env)
             if r.returncode != 0:
                 raise JobError(f"sbatch refused job {self.name!r}: {r.stderr.strip() or r.stdout.strip()}")
@@ -107,6 +134,76 @@ class SlurmJob(JobTrait):
             return self._wait_for_agents(rv, total, progress, submitted)
         finally:
             rv.close()
+
+    # ------------------------------------------------------------------ salloc
+    def _salloc(self, env: dict, rv: Rendezvous, token: str, total: int, progress: Progress) -> None:
+        """Ask for an interactive allocation (granted in the request when the nodes are
+        free), then start the agents in it with an ``srun`` in a session of its own, so that
+        a kernel restart does not end it; when that step ends, the allocation is cancelled."""
+        # A kernel that runs inside a Slurm job of its own (a notebook server started by sbatch,
+        # Open OnDemand) has that job's SLURM_* variables, which srun reads as its defaults
+        # (SLURM_NTASKS, SLURM_CPUS_PER_TASK, ...): the step would not fit the new allocation.
+        env = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k in ("SLURM_CONF", "SLURM_CLUSTERS")}
+        try:
+            # not the key: salloc runs no command, only the srun below needs it
+            proc = subprocess.Popen(self.salloc_args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                    env={k: v for k, v in env.items() if k != config.KEY.env})
+        except FileNotFoundError:
+            raise JobError("salloc is not installed here: a SlurmJob runs where the Slurm client tools "
+                           "(salloc, srun, squeue, scancel) are, e.g. a login node") from None
+        self._salloc_proc = proc
+        lines: list[str] = []
+        got_id = threading.Event()
+
+        def read():
+            for line in proc.stderr:
+                lines.append(line.rstrip())
+                m = re.search(r"job allocation (\d+)|job (\d+) queued", line)
+                if m and not got_id.is_set():
+                    self._handle = {"id": m.group(1) or m.group(2)}
+                    got_id.set()
+
+        reader = threading.Thread(target=read, name="monarch-salloc", daemon=True)
+        reader.start()
+        start, last_line, asked_at = time.monotonic(), "", 0.0
+        while proc.poll() is None:
+            got_id.wait(0.02)
+            now = time.monotonic()
+            if got_id.is_set() and now - asked_at >= 0.5:
+                asked_at = now
+                st = self._squeue() or {}
+                if st.get("state") in _WAITING:
+                    if st["reason"] in _NEVER:
+                        raise JobError(f"slurm job {self.job_id} cannot start as asked ({st['reason']}: more nodes, "
+                                       "time or resources than the partition allows?); it was cancelled")
+                    why = f" ({st['reason']})" if st["reason"] not in ("", "None") else ""
+                    line = f"slurm job {self.job_id}: queued{why}"
+                    if line != last_line:
+                        progress(line)
+                        last_line = line
+                    if self.job_start_timeout is not None and now - start > self.job_start_timeout:
+                        raise JobError(f"slurm job {self.job_id} was still pending after {self.job_start_timeout:g} "
+                                       f"s ({st['reason']}); it was cancelled. Raise job_start_timeout or ask for "
+                                       "fewer or other nodes")
+        reader.join(5)
+        if proc.returncode != 0 or not got_id.is_set():
+            errs = [ln for ln in lines if "error" in ln.lower()] or lines
+            raise JobError(f"salloc refused job {self.name!r}: {' '.join(errs).strip() or f'exit {proc.returncode}'}")
+        progress(f"slurm job {self.job_id}: allocated; starting the agents")
+        out = open(os.path.join(self.log_dir, f"monarch-{self.job_id}.out"), "ab") if self.log_dir else \
+            subprocess.DEVNULL
+        srun = ["srun", f"--jobid={self.job_id}", f"--nodes={total}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+                "--input=none", *self._node_command(rv.address, token), "--scancel-at-end"]
+        try:
+            # sh holds the step and cancels the allocation once it ends; the key is in the
+            # environment (as with sbatch), not on a command line
+            subprocess.Popen(["sh", "-c", 'j=$1; shift; srun "$@"; exec scancel --quiet "$j"', "sh", self.job_id,
+                              *srun[1:]], stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                             env=env, close_fds=True)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
 
     def _wait_for_agents(self, rv: Rendezvous, total: int, progress: Progress, submitted: float) -> list[dict]:
         """Collect the nodes' reports as they come, while squeue (on a thread, so a slow
@@ -200,9 +297,20 @@ class SlurmJob(JobTrait):
         return None
 
     def _release(self) -> None:
+        proc = self.__dict__.pop("_salloc_proc", None)
+        if proc is not None and proc.poll() is None:   # still pending: salloc revokes its request
+            proc.terminate()
         if not self.job_id:
+            if proc is not None:
+                proc.wait(10)
             return
         r = _run(["scancel", str(self.job_id)])
+        if proc is not None:
+            try:
+                proc.wait(5)   # salloc says the request was revoked, and is reaped
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if r.returncode != 0 and "Invalid job id" not in r.stderr:
             raise JobError(f"scancel {self.job_id} failed: {r.stderr.strip()}")
         deadline = time.monotonic() + 10

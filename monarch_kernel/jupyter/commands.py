@@ -31,7 +31,8 @@ def _per_host(text: str) -> dict:
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
                       usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
-                            "[--lease DURATION] [--job VAR | --slurm ARGS | --ssh HOSTS [--ssh-args OPTIONS] "
+                            "[--lease DURATION] [--job VAR | --slurm ARGS [--salloc] "
+                            "| --ssh HOSTS [--ssh-args OPTIONS] "
                             "| --k8s NS --image IMAGE [--replicas N]] [--mesh MESH]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
                                              f"{default_mesh_name()!r})")
@@ -50,6 +51,9 @@ _where.add_argument("--slurm", metavar='"SBATCH ARGS"', help='hosts from a Slurm
                                                              '-p gpu --gpus-per-node 8"')
 _where.add_argument("--k8s", metavar="NAMESPACE", help="pods in a Kubernetes namespace (with --image and "
                                                         "--replicas; your kubeconfig)")
+CONNECT.add_argument("--salloc", action="store_true",
+                     help="--slurm: an interactive allocation (salloc --no-shell), granted at once instead of "
+                          "at Slurm's next scheduling pass; its agents live as long as an srun on this machine")
 CONNECT.add_argument("--image", metavar="IMAGE", help="--k8s: the pods' image (with this project installed)")
 CONNECT.add_argument("--replicas", type=int, metavar="N", help="--k8s: number of pods (hosts), default 1")
 CONNECT.add_argument("--mesh", metavar="MESH", dest="job_mesh",

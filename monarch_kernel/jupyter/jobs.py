@@ -1,7 +1,7 @@
 """``%mesh connect`` on a cluster: which job the flags ask for, and the scheduler's progress.
 
     %mesh connect NAME --job VAR                      a job object from the notebook
-    %mesh connect NAME --slurm "-N 2 -p gpu --gpus-per-node 8"
+    %mesh connect NAME --slurm "-N 2 -p gpu --gpus-per-node 8" [--salloc]
     %mesh connect NAME --ssh gpu1,alice@gpu2:2222 [--ssh-args "-F cluster.conf -i ~/.ssh/id_gpu"]
     %mesh connect NAME --k8s NAMESPACE --image IMAGE --replicas N
 
@@ -35,11 +35,15 @@ def job_from_args(user_ns: dict, args, lease: float | None):
             raise UsageError(f"%mesh connect --job {args.job}: {args.job!r} is a {type(job).__name__}, not a job "
                              "from monarch_kernel.job (SlurmJob, ProcessJob, ...)")
         return job
+    if getattr(args, "salloc", False) and getattr(args, "slurm", None) is None:
+        raise UsageError("%mesh connect: --salloc goes with --slurm ARGS (with --job, give the job "
+                         "SlurmJob(allocation='salloc'))")
     if getattr(args, "slurm", None) is not None:
         from ..job import SlurmJob
 
         nodes, rest = _nodes_from_sbatch_args(args.slurm)
-        return SlurmJob(meshes={"hosts": nodes}, slurm_args=rest, name=name, lease=lease)
+        return SlurmJob(meshes={"hosts": nodes}, slurm_args=rest, name=name, lease=lease,
+                        allocation="salloc" if getattr(args, "salloc", False) else "sbatch")
     if (getattr(args, "image", None) or getattr(args, "replicas", None)) and not getattr(args, "k8s", None):
         raise UsageError("%mesh connect: --image and --replicas go with --k8s NAMESPACE")
     if getattr(args, "k8s", None):

@@ -307,10 +307,12 @@ class Calls:
         for call_id, ok, value in zip(it, it, it):
             p = pending.get(call_id)
             if p is not None:
-                answered += 1
+                if p.counted:   # (a big call is counted on demand: Outstanding)
+                    answered += 1
                 if p.deliver(key, ok, value):
                     pending.pop(call_id, None)
-        self.outstanding[key] -= answered
+        if answered:
+            self.outstanding.counter[key] -= answered
 
     def on_results(self, replies: list) -> None:
         """Replies ``(call_id, key, ok, value)`` of one fan-in batch, in arrival order: one

@@ -67,6 +67,7 @@ def _dns(text: str, limit: int) -> str:
 class KubernetesJob(JobTrait):
     kind = "kubernetes"
     _meshes_later = True
+    _released_what = "its pods and Secret were deleted"
 
     def __init__(self, namespace: str = "default", kubeconfig: str | None = None, context: str | None = None,
                  job_start_timeout: float | None = 600.0, *, name: str | None = None, lease: float | None = None):

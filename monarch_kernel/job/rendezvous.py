@@ -39,8 +39,25 @@ def route_ip(target: str) -> str:
 
 
 def controller_ip(towards: str) -> str:
-    """The address the controller listens on for a job whose hosts sit at ``towards``."""
-    return config.BIND.get() or route_ip(towards)
+    """The address the controller listens on for a job whose hosts sit at ``towards``:
+    ``MONARCH_KERNEL_BIND`` if set (it must be one of this machine's), else the route's."""
+    bind = config.BIND.get()
+    if not bind:
+        return route_ip(towards)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(bind), 0))
+    except OSError as e:
+        from .base import JobError
+
+        try:
+            hint = f"{route_ip(towards)} is the one that routes to the job's hosts ({towards}); "
+        except OSError:
+            hint = ""
+        raise JobError(f"{config.BIND.env}={bind} is not an address of this machine ({e.strerror or e}): set it "
+                       f"to this machine's address that the job's hosts can reach ({hint}`ip -brief addr` lists "
+                       f"them), or unset it to have that one chosen automatically") from None
+    return bind
 
 
 def _sign(key: bytes, body: bytes) -> bytes:

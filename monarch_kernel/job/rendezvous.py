@@ -38,16 +38,24 @@ def route_ip(target: str) -> str:
         return s.getsockname()[0]
 
 
+def local_address_error(addr: str) -> OSError | None:
+    """None if ``addr`` is one of this machine's addresses (something can listen on it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(addr), 0))
+    except OSError as e:
+        return e
+    return None
+
+
 def controller_ip(towards: str) -> str:
     """The address the controller listens on for a job whose hosts sit at ``towards``:
     ``MONARCH_KERNEL_BIND`` if set (it must be one of this machine's), else the route's."""
     bind = config.BIND.get()
     if not bind:
         return route_ip(towards)
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((socket.gethostbyname(bind), 0))
-    except OSError as e:
+    e = local_address_error(bind)
+    if e is not None:
         from .base import JobError
 
         try:

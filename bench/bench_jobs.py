@@ -27,7 +27,8 @@ Figures (one JSON line each, the shared record format; median of --runs):
   slurm_salloc_state_s      SlurmJob(allocation="salloc"): salloc --no-shell + srun, to both agents attached
   slurm_salloc_first_reply_s        ... to the first reply from 2 nodes x 2 procs (goal <= 1.5 s)
   slurm_salloc_first_torch_reply_s  ... to the first reply of an endpoint that uses torch (same procs)
-  slurm_salloc_submit_to_nodes_s    salloc to the last node's starter running (allocation + srun step)
+  slurm_salloc_submit_to_nodes_s    salloc to the last node's starter running (allocation + srun step);
+                            slurm_salloc_node_to_agent_s etc.: the same split as the sbatch run's
   slurm_salloc_kill_s       kill() to nothing queued and no agent left
   slurm_salloc_first_reply_no_torch_s  salloc, zygotes without torch (MONARCH_KERNEL_NO_TORCH=1)
   slurm_first_torch_reply_s the sbatch run's first reply of the torch endpoint
@@ -196,9 +197,12 @@ def slurm_salloc_run(cluster, Where, torch: bool = True) -> dict:
         t0, w0 = time.perf_counter(), time.time()
         state = job.state(cached_path=None)
         took_state = time.perf_counter() - t0
+        w_state = time.time()
         where = state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
         where.host.call().get(timeout=60)
         first = time.perf_counter() - t0
+        split = {k.replace("slurm_", "slurm_salloc_", 1): v
+                 for k, v in _breakdown(job._agents, w0, w_state, time.time()).items()}
         if torch:
             where.torch_sum.call().get(timeout=60)
             first_torch = time.perf_counter() - t0
@@ -215,9 +219,7 @@ def slurm_salloc_run(cluster, Where, torch: bool = True) -> dict:
         return {"slurm_salloc_first_reply_no_torch_s": first}
     out = {"slurm_salloc_state_s": took_state, "slurm_salloc_first_reply_s": first,
            "slurm_salloc_first_torch_reply_s": first_torch, "slurm_salloc_kill_s": took_kill}
-    if all("node_started" in t for t in ts):
-        out["slurm_salloc_submit_to_nodes_s"] = max(t["node_started"] for t in ts) - w0
-    return out
+    return {**out, **split}
 
 
 def slurm_one_node_run(Where) -> dict:

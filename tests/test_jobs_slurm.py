@@ -263,7 +263,12 @@ def _our_sruns(job_id: str) -> list[str]:
     return [line for line in r.stdout.splitlines() if "pgrep" not in line]
 
 
-def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster):
+def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster, monkeypatch):
+    # as if the kernel ran inside a Slurm job of its own (a notebook server started by sbatch):
+    # srun must not take that job's shape for the new allocation's step
+    for var, value in (("SLURM_JOB_ID", "99999"), ("SLURM_NTASKS", "7"), ("SLURM_NNODES", "1"),
+                       ("SLURM_CPUS_PER_TASK", "3"), ("SLURM_NODELIST", "n1"), ("SLURM_TASKS_PER_NODE", "7")):
+        monkeypatch.setenv(var, value)
     job = SlurmJob(meshes={"trainers": 2}, allocation="salloc", job_name="mk-salloc")
     lines = []
     try:
@@ -293,6 +298,21 @@ def test_salloc_refusal_and_pending_timeout_say_why_and_leave_nothing(cluster):
     assert cluster.queue() == []
     with pytest.raises(ValueError, match="allocation must be"):
         SlurmJob(meshes={"hosts": 1}, allocation="srun")
+    # the interrupt button while salloc waits: its request is revoked, nothing queued or running
+    import signal
+    import threading
+
+    job = SlurmJob(meshes={"hosts": 1}, slurm_args=["--begin=now+3600"], allocation="salloc", name="salloc-int")
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.state(cached_path=None)
+    finally:
+        timer.cancel()
+    assert cluster.queue() == [] and not job.active
+    left = subprocess.run(["pgrep", "-af", "salloc --no-shell --job-name=salloc-int"], capture_output=True, text=True)
+    assert [line for line in left.stdout.splitlines() if "pgrep" not in line] == []
 
 
 def test_salloc_lease_releases_the_allocation_even_with_the_launcher_gone(cluster):

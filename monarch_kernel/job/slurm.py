@@ -140,6 +140,10 @@ class SlurmJob(JobTrait):
         """Ask for an interactive allocation (granted in the request when the nodes are
         free), then start the agents in it with an ``srun`` in a session of its own, so that
         a kernel restart does not end it; when that step ends, the allocation is cancelled."""
+        # A kernel that runs inside a Slurm job of its own (a notebook server started by sbatch,
+        # Open OnDemand) has that job's SLURM_* variables, which srun reads as its defaults
+        # (SLURM_NTASKS, SLURM_CPUS_PER_TASK, ...): the step would not fit the new allocation.
+        env = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k in ("SLURM_CONF", "SLURM_CLUSTERS")}
         try:
             # not the key: salloc runs no command, only the srun below needs it
             proc = subprocess.Popen(self.salloc_args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -301,6 +305,12 @@ class SlurmJob(JobTrait):
                 proc.wait(10)
             return
         r = _run(["scancel", str(self.job_id)])
+        if proc is not None:
+            try:
+                proc.wait(5)   # salloc says the request was revoked, and is reaped
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if r.returncode != 0 and "Invalid job id" not in r.stderr:
             raise JobError(f"scancel {self.job_id} failed: {r.stderr.strip()}")
         deadline = time.monotonic() + 10

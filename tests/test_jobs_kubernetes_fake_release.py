@@ -1,0 +1,66 @@
+"""KubernetesJob's release after an interrupt, against the FAKE API server (tests/fake_k8s.py):
+what the API server made before the client heard back is deleted too."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("kubernetes", reason="the kubernetes client is an extra: pip install 'monarch-kernel[kubernetes]'")
+from fake_k8s import FakeKubernetes  # noqa: E402
+
+from monarch_kernel.job import KubernetesJob  # noqa: E402
+from monarch_kernel.job import ImageSpec  # noqa: E402
+
+
+class SlowAnswers(FakeKubernetes):
+    """An API server that stores each pod or Job a client creates at once but answers the
+    request only ``delay`` seconds later (a busy server, a slow link). With ``interrupt``,
+    the first such create sends this process SIGINT (the user's interrupt lands while the
+    client waits for the answer)."""
+
+    delay = 3.0
+    interrupt = False
+
+    def _slow(self) -> None:
+        if threading.current_thread().name == "fake-kubelet":   # the fake's own Job controller
+            return
+        if self.interrupt:
+            self.interrupt = False
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(self.delay)
+
+    def create_pod(self, ns, body):
+        pod = super().create_pod(ns, body)
+        self._slow()
+        return pod
+
+    def create_job(self, ns, body):
+        out = super().create_job(ns, body)
+        self._slow()
+        return out
+
+
+@pytest.fixture(scope="module")
+def k8s():
+    with SlowAnswers(use_netns=os.geteuid() == 0 and bool(shutil.which("ip"))) as fake:
+        yield fake
+
+
+def test_fake_cluster_an_interrupt_before_the_api_server_answered_a_create_leaves_nothing(k8s):
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name="half-made").add_mesh(
+        "w", 2, image_spec=ImageSpec("fake/monarch:1"))
+    k8s.interrupt = True
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="interrupted while it started"):
+        job.state()
+    took = time.monotonic() - t0
+    assert not k8s.interrupt, "the interrupt was not sent"
+    assert not k8s.pods and not k8s.secrets and not getattr(k8s, "jobs", None), \
+        (list(k8s.pods), list(k8s.secrets), list(getattr(k8s, "jobs", [])))
+    assert not k8s.procs and not job.active
+    assert took < 15, f"the release waited {took:.0f} s for pods it had not deleted"

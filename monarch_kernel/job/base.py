@@ -216,9 +216,9 @@ class JobTrait(ABC):
             agents = self._create(key, progress)
         except BaseException as e:
             asked = self._handle is not None
-            self._release()
+            pressed = _held_off_interrupts(self._release)
             self._handle = None
-            if isinstance(e, KeyboardInterrupt) and not isinstance(e, JobInterrupted):
+            if (isinstance(e, KeyboardInterrupt) or pressed) and not isinstance(e, JobInterrupted):
                 what = self._released_what if asked else "nothing had been asked for yet"
                 raise JobInterrupted(f"{self.kind} job {self.name!r} was interrupted while it started; {what}, "
                                      "nothing of it is left") from None
@@ -338,6 +338,32 @@ class JobTrait(ABC):
     def __repr__(self):
         where = f"id {self.job_id}" if self._handle else "not applied"
         return f"<{type(self).__name__} {self.name!r} {self._meshes} ({where})>"
+
+
+def _held_off_interrupts(release: Callable[[], None]) -> bool:
+    """Run ``release`` with SIGINT held off, so that a second press of the interrupt button
+    does not cut the release of an interrupted start short (leaving pods or a queued job);
+    a third press gets through. True if one came meanwhile."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        release()
+        return False
+    presses: list[int] = []
+
+    def held(signum, frame):
+        presses.append(signum)
+        if len(presses) >= 2:
+            raise KeyboardInterrupt("interrupted again while releasing the job: part of it may be left; "
+                                    "job_load(path).kill() or `%mesh stop NAME` releases it")
+
+    old = signal.signal(signal.SIGINT, held)
+    try:
+        release()
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+    return bool(presses)
 
 
 def _listen_towards(agents: list[dict]) -> None:

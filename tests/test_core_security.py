@@ -193,3 +193,24 @@ def test_a_socket_reached_by_two_names_accepts_each_message_once():
     assert [receiver.open(f, "inbox") for f in sent] == [None] * 6          # replays
     other = wire.dest_id("tcp://127.0.0.1:5001")
     assert receiver.open(sender.sign(key, wire.dumps(("m",)), other), "inbox") is None   # not ours
+
+
+def test_after_a_long_run_in_order_every_replay_inside_and_past_the_window_is_refused():
+    """A long stream in order (the pipelined case, where the guard takes its shortcut) still
+    refuses any message seen before, out-of-order ones inside the window are still taken
+    once, and those older than the window are refused."""
+    key = os.urandom(32)
+    sender, receiver = wire.Keyring(), wire.Keyring()
+    receiver.add(key)
+    dest = wire.dest_id("ipc://@monarch-test-window")
+    receiver.accept("inbox", dest)
+    n = wire.REPLAY_WINDOW * 3
+    sent = [sender.sign_one(key, wire.dumps(("m", i))[0], dest) for i in range(n + 2)]
+    late = sent.pop(n - 5)                          # held back: arrives out of order, later
+    assert [receiver.open([f], "inbox") for f in sent[:n]] == [("m", i) for i in range(n + 1) if i != n - 5]
+    for i in (n - 1, n - 6, n - wire.REPLAY_WINDOW + 1, n - wire.REPLAY_WINDOW - 10, 0):
+        assert receiver.open([sent[i]], "inbox") is None, i          # replays, inside and past the window
+    assert receiver.open([late], "inbox") == ("m", n - 5)            # late, never seen: taken once
+    assert receiver.open([late], "inbox") is None
+    assert receiver.open([sent[n]], "inbox") == ("m", n + 1)         # the stream goes on
+    assert receiver.replays_dropped == 6

@@ -287,6 +287,19 @@ class Calls:
         if p.deliver(key, ok, value):
             self._pending.pop(call_id, None)
 
+    def on_replies(self, msg) -> None:
+        """messages.Replies: one proc's answers to several calls, in the order they ran."""
+        _, key, items = msg
+        pending, answered = self._pending, 0
+        it = iter(items)
+        for call_id, ok, value in zip(it, it, it):
+            p = pending.get(call_id)
+            if p is not None:
+                answered += 1
+                if p.deliver(key, ok, value):
+                    pending.pop(call_id, None)
+        self.outstanding[key] -= answered
+
     def on_results(self, replies: list) -> None:
         """Replies ``(call_id, key, ok, value)`` of one fan-in batch, in arrival order: one
         lookup and one delivery per call rather than per member (core/fanout.py)."""

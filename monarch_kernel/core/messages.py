@@ -87,6 +87,17 @@ class Reply(NamedTuple):
     value: Any
 
 
+@message("rs")
+class Replies(NamedTuple):
+    """One member's answers to several calls of one caller, in one signed message (proc ->
+    the caller's inbox): a proc's main thread holds the plain-value replies of quick calls
+    while more calls wait in its work inbox (node/proc.py, ``ProcWorker._hold_reply``).
+    ``items``: ``[call_id, ok, value, call_id, ok, value, ...]`` in the order the calls ran."""
+    kind: str
+    key: str
+    items: list
+
+
 @message("out")
 class Output(NamedTuple):
     """Lines a proc printed (proc -> its controller's inbox, its sink)."""
@@ -334,6 +345,7 @@ class ResentBatch(NamedTuple):
 # kind -> "module:qualified name" of the function that handles it where it arrives.
 HANDLERS: dict[str, str] = {
     "r": "monarch_kernel.core.calls:Calls.on_result",
+    "rs": "monarch_kernel.core.calls:Calls.on_replies",
     "out": "monarch_kernel.core.runtime:Runtime._on_output",
     "died": "monarch_kernel.core.runtime:Runtime._on_died",   # a proc: ProcWorker._on_died_notice
     "replaced": "monarch_kernel.core.runtime:Runtime._on_replaced",

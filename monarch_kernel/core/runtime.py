@@ -27,7 +27,7 @@ from .agent_links import HEARTBEAT_S, HOST_TIMEOUT_S, AgentLink, AgentLinks
 from .calls import Calls, PendingCall
 from .future import Future
 from .inbox import Inbox
-from .messages import Died, Output, Replaced, Reply, Unhandled, Wake
+from .messages import Died, Output, Replaced, Replies, Reply, Unhandled, Wake
 from .transport import (
     SAME_HOST_IPC,
     ProcRef,
@@ -81,8 +81,9 @@ class Runtime:
         self.procs: dict[str, tuple[ProcRef, bytes]] = {}   # every proc this process knows
         self.mesh_states: dict = {}   # proc mesh id -> ProcMeshState known here
         self.handlers: dict[str, Callable] = {   # the core's kinds (messages.py names them all)
-            Reply.KIND: calls.on_result, Output.KIND: self._on_output, Died.KIND: self._on_died,
-            Unhandled.KIND: self._on_unhandled, Replaced.KIND: self._on_replaced, Wake.KIND: _ignore,
+            Reply.KIND: calls.on_result, Replies.KIND: calls.on_replies, Output.KIND: self._on_output,
+            Died.KIND: self._on_died, Unhandled.KIND: self._on_unhandled, Replaced.KIND: self._on_replaced,
+            Wake.KIND: _ignore,
         }
         self.output: Callable[[int, str, str], None] = _print_output
         self.replace_listeners: list[Callable[[str, ProcRef], None]] = []

@@ -405,7 +405,7 @@ class _ReplayGuard:
     def check(self, sender: bytes, seq: int, sent_ms: int, dest: bytes) -> str:
         if dest not in self.dests:
             return "addressed to another socket (a frame captured on its way elsewhere)"
-        now = time.time()
+        now = _time()
         if abs(now - sent_ms / 1000) > MAX_AGE_S:
             return f"sent {now - sent_ms / 1000:.0f} s ago (limit {MAX_AGE_S:.0f} s; are the clocks in sync?)"
         stream = sender + dest   # a sender numbers each destination name of this socket apart
@@ -421,7 +421,10 @@ class _ReplayGuard:
         if seq > hi:   # the usual case: in order
             shift = seq - hi
             w[0] = seq
-            w[1] = ((w[1] << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
+            if shift == 1 and w[1] is _WINDOW_MASK:   # the next one, all of the window seen: no bits move
+                return ""
+            bits = ((w[1] << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
+            w[1] = _WINDOW_MASK if bits == _WINDOW_MASK else bits   # (the one object: `is` above)
             return ""
         back = hi - seq
         if back >= REPLAY_WINDOW:

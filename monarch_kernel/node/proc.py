@@ -58,10 +58,11 @@ class ActorSlot:
 
     def __init__(self, obj, name, ctx, owner=None):
         self.obj, self.name, self.ctx = obj, name, ctx
-        # method as sent -> (name, is async, takes a response port, "in Actor.name"): worked
-        # out on its first call (the method itself is looked up on every call: code sync may
-        # replace it)
-        self.methods: dict[str, tuple] = {}
+        # method as sent -> [name, is async, takes a response port, "in Actor.name", quick]:
+        # worked out on its first call (the method itself is looked up on every call: code sync
+        # may replace it); quick: its last call took under QUICK_S (its reply may be held, and
+        # it may run while others' replies are held: _hold_reply)
+        self.methods: dict[str, list] = {}
         self.owner = owner   # (work address, key, actor id) of the actor that spawned it; None: controller
 
     def code_changed(self) -> None:
@@ -152,9 +153,16 @@ class ProcWorker:
         self.stderr = ForwardingStream(self, "stderr")
         self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
         self.output_limit = OutputLimit()   # past it, output goes to the log file only
+        # Replies held by the main thread while more calls wait in the work inbox (_hold_reply):
+        # [call_id, ok, value, ...] for _held_to, since _held_since (perf_counter).
+        self._held: list = []
+        self._held_to = ""
+        self._held_since = 0.0
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
+        if self._held and threading.get_ident() == self.main_ident:
+            self.send_held_replies()   # earlier calls' replies before this call's output
         if self.telemetry.log is not None:   # kept on the host too, attached or not
             self.telemetry.log.write(stream, text)
         sink = self.sink
@@ -257,16 +265,30 @@ class ProcWorker:
                            self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
                            self.rt.curve_public)
         self.rt.serve_work_while_waiting(work, self._nested_work)
-        deferred = self.deferred
+        deferred, held, clock = self.deferred, self._held, time.perf_counter
         while self.running:
             if deferred:
+                if held:
+                    self.send_held_replies()
                 msg = deferred.popleft()
                 if msg[0] == "call":
                     self.deferred_for[msg[1]] -= 1
                 self._dispatch_work(msg)
                 continue
             try:
-                frames = recv(work)
+                if held:   # replies held: take the next message only if it is already here
+                    try:
+                        frames = recv(work, _NOBLOCK)
+                    except zmq.Again:
+                        self.send_held_replies()
+                        continue
+                    queued = True
+                else:
+                    t0 = clock()
+                    frames = recv(work)
+                    # Back at once: more calls were queued (a pipeline), so this call's reply may
+                    # wait for the next ones' (one signed message for several, _hold_reply).
+                    queued = clock() - t0 < _QUEUED_S
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived after its call finished
             msg = opener(frames, "work inbox")
@@ -275,11 +297,15 @@ class ProcWorker:
                 continue  # dropped (logged by the opener)
             if msg[0] == "call":   # (the usual message: no getattr by name)
                 try:
-                    self.do_call(msg)
+                    self.do_call(msg, queued)
                 except KeyboardInterrupt:
                     pass
                 continue
+            if held:
+                self.send_held_replies()
             self._dispatch_work(msg)
+        if held:
+            self.send_held_replies()
         return 0
 
     def _dispatch_work(self, msg) -> None:
@@ -372,7 +398,9 @@ class ProcWorker:
     def _failure(self, name: str, reason: str) -> MeshFailure:
         return MeshFailure(name, self.rank, self.host, os.getpid(), reason, self.proc_key)
 
-    def do_call(self, msg):
+    def do_call(self, msg, queued: bool = False):
+        """Run a call. ``queued`` (the main loop): more work was waiting when it arrived, so a
+        quick call's plain reply may be held for the next ones' (_hold_reply)."""
         _, aid, method, args, kwargs, reply_to, call_id, _src = msg   # messages.Call, in field order (hot path)
         slot = self.actors.get(aid)
         if slot is None:
@@ -386,7 +414,10 @@ class ProcWorker:
         entry = slot.methods.get(method)
         if entry is None:
             entry = slot.methods[method] = _method_entry(slot, method)
-        method, is_async, explicit, state = entry
+        method, is_async, explicit, state, quick = entry
+        held = self._held
+        if held and not (queued and quick and time.perf_counter() - self._held_since < HOLD_S):
+            self.send_held_replies()   # not after a call that may take long, nor for long
         if explicit:
             args = (self._response_port(reply_to, call_id), *args)
         if is_async:
@@ -396,7 +427,7 @@ class ProcWorker:
         self.busy_call, self.state = (reply_to, call_id), state
         self.active.append(aid)
         exc = None
-        started, t0 = time.time(), time.perf_counter()
+        t0 = time.perf_counter()
         try:
             value, ok = getattr(slot.obj, method)(*args, **kwargs), True
         except BaseException as e:
@@ -406,10 +437,15 @@ class ProcWorker:
             _CTX.reset(token)
             ours = self.interrupting is not None and self.interrupting == self.busy_call
             self.busy_call, self.state, self.interrupting = None, "idle", None
+        took = time.perf_counter() - t0
+        entry[4] = quick = took < QUICK_S
         tel = self.telemetry
         if tel.enabled:
-            tel.record_call(slot.name, method, args, started, time.perf_counter() - t0, ok, value)
+            tel.record_call(slot.name, method, args, time.time() - took, took, ok, value)
         if exc is None and not explicit and type(call_id) is int and call_id:
+            if queued and quick and type(value) in PLAIN_TYPES and type(reply_to) is str:
+                self._hold_reply(reply_to, call_id, ok, value)
+                return
             self._reply(reply_to, call_id, ok, value)   # (what _finish_call does for this case)
             return
         self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc, ours)
@@ -549,7 +585,38 @@ class ProcWorker:
             self.rt.send(self.sink[0], self.sink[1], Unhandled.make(err))
 
     # ---------------------------------------------------------------- replies and errors
+    def _hold_reply(self, reply_to: str, call_id: int, ok: bool, value) -> None:
+        """(main thread) Keep a quick call's plain reply while more calls wait in the work inbox,
+        and send the replies of the run as one signed message (messages.Replies): one
+        signature, one send here and one check and one wake-up at the caller for up to
+        HOLD_MAX calls. A reply is held at most HOLD_S, and never while a call that is not
+        known to be quick runs (do_call), nor behind output or another message (they send
+        what is held first), so a pipeline's replies come back as before, a little grouped.
+        Replies to the agent (fanned calls) and values that are not plain go as before."""
+        held = self._held
+        if held and reply_to != self._held_to or self.stdout._buf or self.stderr._buf or self.output_limit.skipped \
+                or reply_to.startswith(_FAN_PREFIX):
+            self._reply(reply_to, call_id, ok, value)
+            return
+        if not held:
+            self._held_to, self._held_since = reply_to, time.perf_counter()
+        held += (call_id, ok, value)
+        if len(held) >= 3 * HOLD_MAX:
+            self.send_held_replies()
+
+    def send_held_replies(self) -> None:
+        """(main thread) Send the replies _hold_reply kept."""
+        held = self._held
+        if len(held) == 3:   # one: a plain Reply, as if never held
+            msg = ("r", held[0], self.proc_key, held[1], held[2])
+        else:
+            msg = ("rs", self.proc_key, held[:])   # messages.Replies, in field order
+        held.clear()
+        self.rt.send_plain(self._held_to, self.key, msg)
+
     def _reply(self, reply_to, call_id, ok, value, rank=None):
+        if self._held and threading.get_ident() == self.main_ident:
+            self.send_held_replies()   # in the order the calls ran
         if self.stdout._buf or self.stderr._buf or self.output_limit.skipped:
             self.flush_output()   # output goes before the reply it belongs to
         if (type(call_id) is int and call_id and type(value) in PLAIN_TYPES and type(reply_to) is str
@@ -636,6 +703,11 @@ class ProcWorker:
 
 
 _FAN_PREFIX = fanout.FAN_PREFIX
+_NOBLOCK = int(zmq.NOBLOCK)
+_QUEUED_S = 20e-6  # a blocking recv back within this: the message was already waiting
+QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
+HOLD_S = 0.001     # hold replies at most this long
+HOLD_MAX = 32      # replies in one Replies message at most
 
 
 def _method_entry(slot: ActorSlot, method: str) -> tuple:
@@ -645,7 +717,7 @@ def _method_entry(slot: ActorSlot, method: str) -> tuple:
         method = method[len(EXPLICIT_PORT_MARK):]
     fn = getattr(type(slot.obj), method, None)
     explicit = explicit or bool(getattr(fn, "_monarch_explicit_port", False))
-    return method, asyncio.iscoroutinefunction(fn), explicit, f"in {slot.name}.{method}"
+    return [method, asyncio.iscoroutinefunction(fn), explicit, f"in {slot.name}.{method}", False]
 
 
 def _fails_the_actor(exc, call_id, interrupted: bool) -> bool:

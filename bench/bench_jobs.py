@@ -207,7 +207,6 @@ def slurm_salloc_run(cluster, Where, torch: bool = True) -> dict:
             where.torch_sum.call().get(timeout=60)
             first_torch = time.perf_counter() - t0
         pids = [a["pid"] for a in job._agents]
-        ts = [a.get("t") or {} for a in job._agents]
         t1 = time.perf_counter()
         job.kill()
         while cluster.queue() or _agents_left(pids):

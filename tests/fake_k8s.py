@@ -66,6 +66,8 @@ class FakeKubernetes:
         self.jobs: dict[tuple[str, str], dict] = {}
         #: resources the fake user may not create ("jobs"): 403, as RBAC says it
         self.forbidden: set[str] = set()
+        #: API groups the fake does not serve ("batch"): 404, as an API server without them
+        self.unserved: set[str] = set()
         self.created: list[dict] = []
         self.rv = 1                      # resourceVersion, bumped on every pod change
         self.events: list[tuple[int, str, dict]] = []   # (rv, type, pod) for watches
@@ -467,6 +469,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts, _ = self._route()
         api = self.api
         if len(parts) == 7 and parts[1:5] == ["apis", "batch", "v1", "namespaces"] and parts[6] == "jobs":
+            if "batch" in api.unserved:
+                return self._status(404, "NotFound", "the server could not find the requested resource")
             if "jobs" in api.forbidden:
                 return self._status(403, "Forbidden", f'jobs.batch is forbidden: User "fake" cannot create resource '
                                                       f'"jobs" in API group "batch" in the namespace "{parts[5]}"')

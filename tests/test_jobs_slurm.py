@@ -327,7 +327,7 @@ def test_salloc_lease_releases_the_allocation_even_with_the_launcher_gone(cluste
             job.state(cached_path=None)
             job_id = job.job_id
             if launcher_gone:   # the wrapper first, so it cannot cancel; then srun (its tasks get a SIGTERM)
-                for line in subprocess.run(["pgrep", "-af", f"j=\\$1; shift; srun"], capture_output=True,
+                for line in subprocess.run(["pgrep", "-af", "j=\\$1; shift; srun"], capture_output=True,
                                            text=True).stdout.splitlines():
                     if f" {job_id} " in line:
                         os.kill(int(line.split()[0]), signal.SIGKILL)

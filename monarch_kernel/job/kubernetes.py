@@ -6,14 +6,18 @@
     job.add_mesh("workers", 4, label_selector="app=my-statefulset")   # attach-only
     procs = job.state().trainers.spawn_procs(per_host={"gpus": 8})
 
-Provisioning mode creates one batch/v1 Job per host, whose one pod (labelled with the job
-and the mesh, Monarch's labels) runs ``python -m workers.agent`` with the image's own
-``python``; the mesh key reaches it through a Secret referenced by ``secretKeyRef``, never
-a literal in the pod spec. The Jobs have ``ttlSecondsAfterFinished: 0`` and own the Secret
-(``ownerReferences``): when the agents end at their lease, the pods complete, Kubernetes
-deletes the finished Jobs, and its garbage collector their pods and the Secret; nothing
-is left and the agents need no API rights. ``kill()`` deletes them at once. "Ready" is not "agent up": container states are watched while waiting
-for the agent's port, and a pod that cannot start (CrashLoopBackOff, ErrImagePull, ...)
+Provisioning mode creates one core/v1 pod per host (labelled with the job and the mesh,
+Monarch's labels) running ``python -m workers.agent`` with the image's own ``python``; the
+mesh key reaches it through a Secret referenced by ``secretKeyRef``, never a literal in the
+pod spec. After the lease the agents end and their pods show ``Succeeded`` (holding no
+node resources); the pod objects and the Secret stay until ``kill()`` or ``%mesh stop``,
+since a bare pod may not delete itself without API rights. With ``workload="jobs"`` each
+host is instead a batch/v1 Job of one pod with ``ttlSecondsAfterFinished: 0`` that owns
+the Secret (``ownerReferences``): after the lease Kubernetes deletes the finished Jobs, and
+its garbage collector their pods and the Secret, so nothing is left and the agents need no
+API rights (where RBAC refuses Jobs, or the API serves none, it falls back to bare pods
+with a warning). ``kill()`` deletes everything at once. "Ready" is not "agent up": container
+states are watched while waiting for the agent's port, and a pod that cannot start (CrashLoopBackOff, ErrImagePull, ...)
 fails the job with its name and last log lines. Pod changes arrive through a watch from
 the listed resourceVersion (no polling of the API server while pods are pending).
 
@@ -48,6 +52,8 @@ RESTART = "OnFailure"
 #: A finished Job (its agent ended at its lease, or crashed past backoffLimit) is deleted at
 #: once by the TTL-after-finished controller, and with it its pod and (owned) the Secret.
 FINISHED_TTL_S = 0
+#: ``KubernetesJob(workload=...)``: "pods" (the default: one core/v1 pod per host) or "jobs".
+WORKLOADS = ("pods", "jobs")
 _FAILING = {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
             "CreateContainerError", "RunContainerError", "ErrImageNeverPull"}
 
@@ -70,8 +76,14 @@ class KubernetesJob(JobTrait):
     _released_what = "its pods and Secret were deleted"
 
     def __init__(self, namespace: str = "default", kubeconfig: str | None = None, context: str | None = None,
-                 job_start_timeout: float | None = 600.0, *, name: str | None = None, lease: float | None = None):
+                 job_start_timeout: float | None = 600.0, *, name: str | None = None, lease: float | None = None,
+                 workload: str = "pods"):
+        if workload not in WORKLOADS:
+            raise ValueError(f"KubernetesJob(workload={workload!r}): use 'pods' (one core/v1 pod per host; after "
+                             "the lease its Succeeded pods and Secret stay until kill()) or 'jobs' (one batch/v1 "
+                             "Job per host, which Kubernetes deletes with its pod and the Secret after the lease)")
         self.namespace, self.kubeconfig, self.context = namespace, kubeconfig, context
+        self.workload = workload
         self.job_start_timeout = job_start_timeout
         self._mesh_specs: dict[str, dict] = {}
         super().__init__({}, name=name, lease=lease)
@@ -103,12 +115,13 @@ class KubernetesJob(JobTrait):
 
     def spec(self) -> dict:
         return {"namespace": self.namespace, "kubeconfig": self.kubeconfig, "context": self.context,
-                "job_start_timeout": self.job_start_timeout, "mesh_specs": self._mesh_specs}
+                "job_start_timeout": self.job_start_timeout, "mesh_specs": self._mesh_specs,
+                "workload": self.workload}
 
     @classmethod
     def _from_spec(cls, spec: dict, *, name: str, lease: float | None) -> KubernetesJob:
         job = cls(spec["namespace"], spec["kubeconfig"], spec["context"], spec["job_start_timeout"], name=name,
-                  lease=lease)
+                  lease=lease, workload=spec.get("workload", "pods"))
         for mesh, ms in spec["mesh_specs"].items():
             job.add_mesh(mesh, **ms)
         return job
@@ -212,6 +225,8 @@ class KubernetesJob(JobTrait):
                 raise JobError(f"kubernetes refused the secret {secret}: {_reason(e)}") from None
             api.delete_namespaced_secret(secret, self.namespace)
             api.create_namespaced_secret(self.namespace, body)
+        if self.workload == "pods":
+            return self._create_pods(api, secret, progress)
         want, owners = [], []
         batch = self._batch_api(api)
         for mesh, n in self._meshes.items():
@@ -221,7 +236,7 @@ class KubernetesJob(JobTrait):
                 try:
                     made = batch.create_namespaced_job(self.namespace, body)
                 except ApiException as e:
-                    if e.status == 403 and not want:   # no rights on batch Jobs: bare pods, as before
+                    if e.status in (403, 404) and not want:   # no rights on (or no API for) Jobs: bare pods
                         log.warning("kubernetes refused to create jobs (%s): creating bare pods instead; after "
                                     "their lease their Succeeded pods and the Secret stay until kill() or "
                                     "%%mesh stop (grant create, list, delete on jobs.batch to have Kubernetes "
@@ -244,7 +259,7 @@ class KubernetesJob(JobTrait):
                  "rank": i} for mesh, i, name in want]
 
     def _create_pods(self, api, secret: str, progress: Progress) -> list[dict]:
-        """Bare pods, where the user may not create batch Jobs."""
+        """One bare pod per host (the default, and where the user may not create batch Jobs)."""
         from kubernetes.client.rest import ApiException
 
         self._handle["pods"] = []

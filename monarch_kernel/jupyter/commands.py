@@ -31,7 +31,8 @@ def _per_host(text: str) -> dict:
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
                       usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
-                            "[--lease DURATION] [--job VAR | --slurm ARGS [--salloc] | --ssh HOSTS [--ssh-args OPTIONS] "
+                            "[--lease DURATION] [--job VAR | --slurm ARGS [--salloc] "
+                            "| --ssh HOSTS [--ssh-args OPTIONS] "
                             "| --k8s NS --image IMAGE [--replicas N]] [--mesh MESH]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
                                              f"{default_mesh_name()!r})")

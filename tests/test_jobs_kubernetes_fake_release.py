@@ -68,8 +68,9 @@ def k8s():
         yield fake
 
 
-def test_fake_cluster_an_interrupt_before_the_api_server_answered_a_create_leaves_nothing(k8s):
-    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name="half-made").add_mesh(
+@pytest.mark.parametrize("workload", ["pods", "jobs"])
+def test_fake_cluster_an_interrupt_before_the_api_server_answered_a_create_leaves_nothing(k8s, workload):
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name=f"half-made-{workload}", workload=workload).add_mesh(
         "w", 2, image_spec=ImageSpec("fake/monarch:1"))
     k8s.interrupt = True
     t0 = time.monotonic()

@@ -435,11 +435,12 @@ class KubernetesJob(JobTrait):
         # Also what the API server made but we never heard back about (an interrupt while
         # a create waited for its answer): our label finds it.
         jobs = list(self._handle.get("jobs", []))
-        try:
-            jobs += [j.metadata.name for j in batch.list_namespaced_job(self.namespace, label_selector=sel).items
-                     if j.metadata.name not in jobs]
-        except ApiException:   # no rights on batch Jobs (we made bare pods), or no batch API
-            pass
+        if "pods" not in self._handle:   # Jobs were asked for (bare pods never touch the batch API)
+            try:
+                jobs += [j.metadata.name for j in batch.list_namespaced_job(self.namespace, label_selector=sel).items
+                         if j.metadata.name not in jobs]
+            except ApiException:   # no rights on (or no API for) batch Jobs
+                pass
         for name in jobs:
             try:   # their pods are deleted below at once, not left to the garbage collector
                 batch.delete_namespaced_job(name, self.namespace, grace_period_seconds=0,

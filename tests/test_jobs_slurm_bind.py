@@ -52,3 +52,19 @@ def test_bind_set_for_the_controller_reaches_the_nodes_environment_and_their_age
     finally:
         job.kill()
     assert cluster.queue() == []
+
+
+def test_a_bind_address_this_machine_does_not_have_fails_the_slurm_job_at_once_with_nothing_queued(cluster,
+                                                                                                   monkeypatch):
+    import time
+
+    from monarch_kernel.job import JobError
+
+    absent = cluster.bridge_ip.rsplit(".", 1)[0] + ".250"
+    monkeypatch.setenv("MONARCH_KERNEL_BIND", absent)
+    job = SlurmJob(meshes={"hosts": 2}, job_name="mk-bad-bind", job_start_timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(JobError, match=f"MONARCH_KERNEL_BIND={absent} is not an address of this machine"):
+        job.state()
+    assert time.monotonic() - t0 < 10
+    assert cluster.queue() == [] and not job.active

@@ -58,8 +58,9 @@ def controller_ip(towards: str) -> str:
     if e is not None:
         from .base import JobError
 
-        try:
-            hint = f"{route_ip(towards)} is the one that routes to the job's hosts ({towards}); "
+        try:   # (a launcher that knows no host address yet passes the variable's own value)
+            hint = f"{route_ip(towards)} is the one that routes to the job's hosts ({towards}); " \
+                if towards != bind else ""
         except OSError:
             hint = ""
         raise JobError(f"{config.BIND.env}={bind} is not an address of this machine ({e.strerror or e}): set it "

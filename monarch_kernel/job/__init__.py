@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {"JobTrait": "base", "JobState": "base", "JobError": "base", "JobGoneError": "base",
+          "JobInterrupted": "base",
           "job_load": "base", "LocalJob": "local", "ProcessJob": "local", "SlurmJob": "slurm",
           "SSHJob": "ssh",
           "KubernetesJob": "kubernetes", "ImageSpec": "kubernetes"}

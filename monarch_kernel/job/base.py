@@ -44,6 +44,19 @@ class JobGoneError(JobError, MeshGoneError):
     """The job's allocation no longer runs (ended, cancelled, timed out, pods deleted)."""
 
 
+class JobInterrupted(KeyboardInterrupt):
+    """The interrupt (the kernel's stop button, Ctrl-C) while a job started: what it had
+    asked for was released, and the message says so. Named ``KeyboardInterrupt`` for the
+    notebook (its ``ename``); a kernel shows the message alone, not the client library's
+    frames the interrupt happened to land in."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mKeyboardInterrupt: {self}\x1b[0m"]
+
+
+JobInterrupted.__name__ = "KeyboardInterrupt"
+
+
 class JobState:
     """One ``HostMesh`` attribute per mesh of the job: ``state.trainers``."""
 
@@ -115,6 +128,9 @@ class JobTrait(ABC):
     @abstractmethod
     def _gone_reason(self) -> str | None:
         """None while the allocation runs, else why it is gone (for the error)."""
+
+    #: what ``_release`` did, for the message of an interrupted start
+    _released_what = "what it had asked for was released"
 
     @abstractmethod
     def _release(self) -> None:
@@ -198,9 +214,14 @@ class JobTrait(ABC):
         key = new_key()
         try:
             agents = self._create(key, progress)
-        except BaseException:
-            self._release()
+        except BaseException as e:
+            asked = self._handle is not None
+            pressed = _held_off_interrupts(self._release)
             self._handle = None
+            if (isinstance(e, KeyboardInterrupt) or pressed) and not isinstance(e, JobInterrupted):
+                what = self._released_what if asked else "nothing had been asked for yet"
+                raise JobInterrupted(f"{self.kind} job {self.name!r} was interrupted while it started; {what}, "
+                                     "nothing of it is left") from None
             raise
         # an attach-only job takes the key its running agents already have
         self._key, self._agents = self.__dict__.pop("_key_from_create", key), agents
@@ -317,6 +338,32 @@ class JobTrait(ABC):
     def __repr__(self):
         where = f"id {self.job_id}" if self._handle else "not applied"
         return f"<{type(self).__name__} {self.name!r} {self._meshes} ({where})>"
+
+
+def _held_off_interrupts(release: Callable[[], None]) -> bool:
+    """Run ``release`` with SIGINT held off, so that a second press of the interrupt button
+    does not cut the release of an interrupted start short (leaving pods or a queued job);
+    a third press gets through. True if one came meanwhile."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        release()
+        return False
+    presses: list[int] = []
+
+    def held(signum, frame):
+        presses.append(signum)
+        if len(presses) >= 2:
+            raise KeyboardInterrupt("interrupted again while releasing the job: part of it may be left; "
+                                    "job_load(path).kill() or `%mesh stop NAME` releases it")
+
+    old = signal.signal(signal.SIGINT, held)
+    try:
+        release()
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+    return bool(presses)
 
 
 def _listen_towards(agents: list[dict]) -> None:

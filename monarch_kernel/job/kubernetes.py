@@ -73,6 +73,7 @@ def _dns(text: str, limit: int) -> str:
 class KubernetesJob(JobTrait):
     kind = "kubernetes"
     _meshes_later = True
+    _released_what = "its pods and Secret were deleted"
 
     def __init__(self, namespace: str = "default", kubeconfig: str | None = None, context: str | None = None,
                  job_start_timeout: float | None = 600.0, *, name: str | None = None, lease: float | None = None,
@@ -430,7 +431,17 @@ class KubernetesJob(JobTrait):
 
         api = self._api()
         batch = self._batch_api(api)
-        for name in self._handle.get("jobs", []):
+        sel = f"{JOB_LABEL}={self._handle['id']}"
+        # Also what the API server made but we never heard back about (an interrupt while
+        # a create waited for its answer): our label finds it.
+        jobs = list(self._handle.get("jobs", []))
+        if "pods" not in self._handle:   # Jobs were asked for (bare pods never touch the batch API)
+            try:
+                jobs += [j.metadata.name for j in batch.list_namespaced_job(self.namespace, label_selector=sel).items
+                         if j.metadata.name not in jobs]
+            except ApiException:   # no rights on (or no API for) batch Jobs
+                pass
+        for name in jobs:
             try:   # their pods are deleted below at once, not left to the garbage collector
                 batch.delete_namespaced_job(name, self.namespace, grace_period_seconds=0,
                                             propagation_policy="Background")
@@ -438,9 +449,8 @@ class KubernetesJob(JobTrait):
                 if e.status != 404:
                     raise JobError(f"could not delete job {name}: {_reason(e)}") from None
         pods = list(self._handle.get("pods", []))   # a job cached by an older version made bare pods
-        if self._handle.get("jobs"):
-            pods += [p.metadata.name for p in api.list_namespaced_pod(
-                self.namespace, label_selector=f"{JOB_LABEL}={self._handle['id']}").items]
+        pods += [p.metadata.name for p in api.list_namespaced_pod(self.namespace, label_selector=sel).items
+                 if p.metadata.name not in pods]
         for name in pods:
             try:
                 api.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
@@ -454,7 +464,6 @@ class KubernetesJob(JobTrait):
                 if e.status != 404:
                     raise JobError(f"could not delete secret {self._handle['secret']}: {_reason(e)}") from None
         deadline = time.monotonic() + 30
-        sel = f"{JOB_LABEL}={self._handle['id']}"
         while api.list_namespaced_pod(self.namespace, label_selector=sel).items and time.monotonic() < deadline:
             time.sleep(0.1)
 

@@ -41,7 +41,7 @@ import socket  # noqa: E402
 
 from monarch_kernel import config  # noqa: E402  (stdlib only)
 
-from .rendezvous import Reporter, route_ip  # noqa: E402  (stdlib only until a Reporter is made)
+from .rendezvous import Reporter, local_address_error, route_ip  # noqa: E402  (stdlib only until a Reporter is made)
 
 READY = "MONARCH_AGENT_READY "
 
@@ -86,7 +86,12 @@ def main(argv=None) -> int:
         sys.exit("monarch_kernel.job.node: no key: set MONARCH_KERNEL_KEY or pass it on stdin with --key-stdin")
     key = bytes.fromhex(key_hex)
     ctl_host = a.report.split("://", 1)[-1].rsplit(":", 1)[0]
-    bind = config.BIND.get() or route_ip(ctl_host)
+    bind = config.BIND.get()
+    if bind and local_address_error(bind) is not None:
+        # Not this node's: the controller's own, which the scheduler passed on with its
+        # environment (sbatch does by default). This node's address is the route's.
+        bind = None
+    bind = bind or route_ip(ctl_host)
     rank = a.rank if a.rank is not None else rank_from_env()
     report = {"token": a.token, "rank": rank, "host": socket.gethostname(), "node_pid": os.getpid()}
     args = [sys.executable, "-m", "monarch_kernel.node.agent", "--bind", bind, "--persistent", "--lease", str(a.lease),

@@ -38,9 +38,35 @@ def route_ip(target: str) -> str:
         return s.getsockname()[0]
 
 
+def local_address_error(addr: str) -> OSError | None:
+    """None if ``addr`` is one of this machine's addresses (something can listen on it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(addr), 0))
+    except OSError as e:
+        return e
+    return None
+
+
 def controller_ip(towards: str) -> str:
-    """The address the controller listens on for a job whose hosts sit at ``towards``."""
-    return config.BIND.get() or route_ip(towards)
+    """The address the controller listens on for a job whose hosts sit at ``towards``:
+    ``MONARCH_KERNEL_BIND`` if set (it must be one of this machine's), else the route's."""
+    bind = config.BIND.get()
+    if not bind:
+        return route_ip(towards)
+    e = local_address_error(bind)
+    if e is not None:
+        from .base import JobError
+
+        try:   # (a launcher that knows no host address yet passes the variable's own value)
+            hint = f"{route_ip(towards)} is the one that routes to the job's hosts ({towards}); " \
+                if towards != bind else ""
+        except OSError:
+            hint = ""
+        raise JobError(f"{config.BIND.env}={bind} is not an address of this machine ({e.strerror or e}): set it "
+                       f"to this machine's address that the job's hosts can reach ({hint}`ip -brief addr` lists "
+                       f"them), or unset it to have that one chosen automatically") from None
+    return bind
 
 
 def _sign(key: bytes, body: bytes) -> bytes:

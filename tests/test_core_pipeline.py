@@ -95,6 +95,23 @@ def test_a_held_reply_does_not_wait_for_a_slow_call_after_it(pipe):
     assert slow.get(30) == "slow"
 
 
+def test_held_replies_do_not_wait_for_a_call_that_was_quick_last_time_and_is_slow_now(pipe):
+    """The main thread holds quick calls' replies while the next, known-quick call runs; when
+    that one turns slow, the flusher sends what is held within a few ms, not after it."""
+    pipe.slow.call_one(0).get(30)   # known quick from now on
+    for _ in range(5):
+        futs = [pipe.echo.call_one(i) for i in range(300)]
+        slow = pipe.slow.call_one(3.0)
+        t0 = time.monotonic()
+        assert [f.get(30) for f in futs] == list(range(300))
+        waited = time.monotonic() - t0
+        if not slow.done():
+            break
+    assert waited < 2.0, f"the pipeline's replies waited {waited:.1f} s for the slow call"
+    assert not slow.done()
+    assert slow.get(30) == "slow"
+
+
 def test_output_of_a_pipelined_call_arrives_before_its_reply(pipe):
     rt = runtime()
     events: list = []

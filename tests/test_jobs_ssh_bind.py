@@ -106,10 +106,7 @@ def test_without_bind_the_controller_listens_on_the_one_interface_that_routes_to
 
 
 @pytest.mark.parametrize("when", [
-    pytest.param("kernel start", marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "found, not fixed here: the kernel dies at start (jupyter/magics.py load_ipython_extension makes the "
-        "runtime, which binds MONARCH_KERNEL_BIND and raises a bare ZMQError), so the user sees only "
-        "'kernel died'; the fix belongs in core/runtime.py + jupyter/magics.py (see the session note)"))),
+    "kernel start",
     "cell"])
 def test_a_bind_address_this_machine_does_not_have_is_a_clear_error_at_once(hosts, when):
     """The variable set in the kernel's environment, or in a cell before the connect (as the

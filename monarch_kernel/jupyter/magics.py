@@ -401,7 +401,20 @@ def load_ipython_extension(ipython) -> None:
 
     if _ROUTER is None or _ROUTER.shell is not ipython:
         _ROUTER = OutputRouter(ipython)
-    _ROUTER.install(runtime())
+    try:
+        rt = runtime()
+    except Exception as e:   # a MONARCH_KERNEL_BIND that is no address of this machine (zmq cannot bind it)
+        from .. import config
+        from ..core.runtime import Runtime, install_runtime
+
+        if not config.BIND.get():
+            raise
+        print(f"monarch kernel: {config.BIND.env}={config.BIND.get()} is not an address of this machine ({e}); "
+              "listening on loopback: local meshes work, and a job's %mesh connect says what to set",
+              file=sys.stderr)
+        rt = Runtime(bind_host="127.0.0.1")
+        install_runtime(rt)
+    _ROUTER.install(rt)
     _SHELL = ipython
     if not hasattr(ipython, "_last_traceback"):
         # ipykernel 7 reads it after any error; a UsageError (our bad-input reports) as the

@@ -158,6 +158,10 @@ class ProcWorker:
         self._held: list = []
         self._held_to = ""
         self._held_since = 0.0
+        self._held_lock = threading.Lock()   # the main thread holds and sends; _flush_held_late sends
+        self._flusher: threading.Thread | None = None
+        self._flusher_parked = threading.Event()   # set: the flusher sleeps until replies are held
+        self._wake_flusher = threading.Event()
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
@@ -598,21 +602,60 @@ class ProcWorker:
                 or reply_to.startswith(_FAN_PREFIX):
             self._reply(reply_to, call_id, ok, value)
             return
-        if not held:
-            self._held_to, self._held_since = reply_to, time.perf_counter()
-        held += (call_id, ok, value)
-        if len(held) >= 3 * HOLD_MAX:
+        with self._held_lock:
+            if not held:
+                self._held_to, self._held_since = reply_to, time.perf_counter()
+                if self._flusher is None or self._flusher_parked.is_set():
+                    self._start_holding()
+            held += (call_id, ok, value)
+            full = len(held) >= 3 * HOLD_MAX
+        if full:
             self.send_held_replies()
 
     def send_held_replies(self) -> None:
-        """(main thread) Send the replies _hold_reply kept."""
+        """Send the replies _hold_reply kept (main thread; or the flusher, past HOLD_S)."""
         held = self._held
-        if len(held) == 3:   # one: a plain Reply, as if never held
-            msg = ("r", held[0], self.proc_key, held[1], held[2])
-        else:
-            msg = ("rs", self.proc_key, held[:])   # messages.Replies, in field order
-        held.clear()
-        self.rt.send_plain(self._held_to, self.key, msg)
+        with self._held_lock:
+            if not held:
+                return
+            if len(held) == 3:   # one: a plain Reply, as if never held
+                msg = ("r", held[0], self.proc_key, held[1], held[2])
+            else:
+                msg = ("rs", self.proc_key, held[:])   # messages.Replies, in field order
+            held.clear()
+            self.rt.send_plain(self._held_to, self.key, msg)
+
+    def _start_holding(self) -> None:
+        """(main thread) A first reply is held: make sure someone sends it within about
+        2 x LATE_S even if the call that runs next, quick last time, now takes long."""
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_held_late, name="held-replies", daemon=True)
+            self._flusher.start()
+        elif self._flusher_parked.is_set():
+            self._flusher_parked.clear()
+            self._wake_flusher.set()
+
+    def _flush_held_late(self) -> None:
+        """(flusher thread) While replies are being held, look every LATE_S and send any held
+        longer than that: the main thread normally sends them itself (the inbox ran dry, 32
+        of them, or a call not known to be quick), but not while it runs a call that was
+        quick last time and is slow now. Parks after PARK_S without held replies."""
+        held, clock, idle_since = self._held, time.perf_counter, time.perf_counter()
+        while self.running:
+            time.sleep(LATE_S)
+            now = clock()
+            if held:
+                idle_since = now
+                if now - self._held_since >= LATE_S:
+                    try:
+                        self.send_held_replies()
+                    except Exception:   # noqa: BLE001  (the main thread sends what is left)
+                        traceback.print_exc(file=sys.__stderr__)
+            elif now - idle_since > PARK_S:
+                self._flusher_parked.set()
+                self._wake_flusher.wait()
+                self._wake_flusher.clear()
+                idle_since = clock()
 
     def _reply(self, reply_to, call_id, ok, value, rank=None):
         if self._held and threading.get_ident() == self.main_ident:
@@ -708,6 +751,8 @@ _QUEUED_S = 20e-6  # a blocking recv back within this: the message was already w
 QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
 HOLD_S = 0.001     # hold replies at most this long
 HOLD_MAX = 32      # replies in one Replies message at most
+LATE_S = 0.005     # the flusher sends replies held this long (the main thread is in a slow call)
+PARK_S = 0.05      # the held-replies flusher sleeps for good after this long with none held
 
 
 def _method_entry(slot: ActorSlot, method: str) -> tuple:

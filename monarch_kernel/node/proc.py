@@ -49,6 +49,7 @@ from monarch_kernel.core.transport import gpu_count
 from monarch_kernel.core.wire import PLAIN_TYPES
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
 from monarch_kernel.node import fanout
+from monarch_kernel.node.held_replies import HOLD_S, HeldReplies
 from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
 from monarch_kernel.telemetry.worker import ProcTelemetry
 
@@ -153,15 +154,9 @@ class ProcWorker:
         self.stderr = ForwardingStream(self, "stderr")
         self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
         self.output_limit = OutputLimit()   # past it, output goes to the log file only
-        # Replies held by the main thread while more calls wait in the work inbox (_hold_reply):
-        # [call_id, ok, value, ...] for _held_to, since _held_since (perf_counter).
-        self._held: list = []
-        self._held_to = ""
-        self._held_since = 0.0
-        self._held_lock = threading.Lock()   # the main thread holds and sends; _flush_held_late sends
-        self._flusher: threading.Thread | None = None
-        self._flusher_parked = threading.Event()   # set: the flusher sleeps until replies are held
-        self._wake_flusher = threading.Event()
+        # Replies held by the main thread while more calls wait in the work inbox (_hold_reply).
+        self.held = HeldReplies(rt.send_plain, self.key, self.proc_key, lambda: self.running)
+        self._held, self.send_held_replies = self.held.items, self.held.send
 
     # ---------------------------------------------------------------- output
     def emit_output(self, stream: str, text: str) -> None:
@@ -420,7 +415,7 @@ class ProcWorker:
             entry = slot.methods[method] = _method_entry(slot, method)
         method, is_async, explicit, state, quick = entry
         held = self._held
-        if held and not (queued and quick and time.perf_counter() - self._held_since < HOLD_S):
+        if held and not (queued and quick and time.perf_counter() - self.held.since < HOLD_S):
             self.send_held_replies()   # not after a call that may take long, nor for long
         if explicit:
             args = (self._response_port(reply_to, call_id), *args)
@@ -598,64 +593,11 @@ class ProcWorker:
         what is held first), so a pipeline's replies come back as before, a little grouped.
         Replies to the agent (fanned calls) and values that are not plain go as before."""
         held = self._held
-        if held and reply_to != self._held_to or self.stdout._buf or self.stderr._buf or self.output_limit.skipped \
+        if held and reply_to != self.held.to or self.stdout._buf or self.stderr._buf or self.output_limit.skipped \
                 or reply_to.startswith(_FAN_PREFIX):
             self._reply(reply_to, call_id, ok, value)
             return
-        with self._held_lock:
-            if not held:
-                self._held_to, self._held_since = reply_to, time.perf_counter()
-                if self._flusher is None or self._flusher_parked.is_set():
-                    self._start_holding()
-            held += (call_id, ok, value)
-            full = len(held) >= 3 * HOLD_MAX
-        if full:
-            self.send_held_replies()
-
-    def send_held_replies(self) -> None:
-        """Send the replies _hold_reply kept (main thread; or the flusher, past HOLD_S)."""
-        held = self._held
-        with self._held_lock:
-            if not held:
-                return
-            if len(held) == 3:   # one: a plain Reply, as if never held
-                msg = ("r", held[0], self.proc_key, held[1], held[2])
-            else:
-                msg = ("rs", self.proc_key, held[:])   # messages.Replies, in field order
-            held.clear()
-            self.rt.send_plain(self._held_to, self.key, msg)
-
-    def _start_holding(self) -> None:
-        """(main thread) A first reply is held: make sure someone sends it within about
-        2 x LATE_S even if the call that runs next, quick last time, now takes long."""
-        if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush_held_late, name="held-replies", daemon=True)
-            self._flusher.start()
-        elif self._flusher_parked.is_set():
-            self._flusher_parked.clear()
-            self._wake_flusher.set()
-
-    def _flush_held_late(self) -> None:
-        """(flusher thread) While replies are being held, look every LATE_S and send any held
-        longer than that: the main thread normally sends them itself (the inbox ran dry, 32
-        of them, or a call not known to be quick), but not while it runs a call that was
-        quick last time and is slow now. Parks after PARK_S without held replies."""
-        held, clock, idle_since = self._held, time.perf_counter, time.perf_counter()
-        while self.running:
-            time.sleep(LATE_S)
-            now = clock()
-            if held:
-                idle_since = now
-                if now - self._held_since >= LATE_S:
-                    try:
-                        self.send_held_replies()
-                    except Exception:   # noqa: BLE001  (the main thread sends what is left)
-                        traceback.print_exc(file=sys.__stderr__)
-            elif now - idle_since > PARK_S:
-                self._flusher_parked.set()
-                self._wake_flusher.wait()
-                self._wake_flusher.clear()
-                idle_since = clock()
+        self.held.add(reply_to, call_id, ok, value)
 
     def _reply(self, reply_to, call_id, ok, value, rank=None):
         if self._held and threading.get_ident() == self.main_ident:
@@ -749,10 +691,6 @@ _FAN_PREFIX = fanout.FAN_PREFIX
 _NOBLOCK = int(zmq.NOBLOCK)
 _QUEUED_S = 20e-6  # a blocking recv back within this: the message was already waiting
 QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
-HOLD_S = 0.001     # hold replies at most this long
-HOLD_MAX = 32      # replies in one Replies message at most
-LATE_S = 0.005     # the flusher sends replies held this long (the main thread is in a slow call)
-PARK_S = 0.05      # the held-replies flusher sleeps for good after this long with none held
 
 
 def _method_entry(slot: ActorSlot, method: str) -> tuple:

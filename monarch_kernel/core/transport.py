@@ -27,6 +27,7 @@ from . import curve, wire
 
 _SEND = zmq.backend.Socket.send   # the C send, without pyzmq's Python wrapper (~1 us a message)
 _dumps = pickle.dumps
+_SNDMORE = int(zmq.SNDMORE)
 _DEST_IDS = wire.DEST_IDS
 
 # Same-host peers talk over ipc; 0 forces tcp (to measure the tcp path, e.g. with CURVE, on one host).
@@ -126,6 +127,17 @@ class Transport:
             _SEND(self.sender(addr), self.keyring.sign_one(key, header, dest))
         else:
             self.send_frames(addr, self.keyring.seal(key, [header]))
+
+    def send_plain_routed(self, addr: str, route: bytes, key: bytes, msg: tuple) -> bool:
+        """``send_plain`` after a routing frame (a fanned reply to its agent's gather
+        inbox); False, and nothing sent, when the message is not small."""
+        header = _dumps(msg, 5)
+        if len(header) >= wire.SMALL_COPY:
+            return False
+        sock = self.sender(addr)
+        _SEND(sock, route, _SNDMORE)
+        _SEND(sock, self.keyring.sign_one(key, header, _DEST_IDS.get(addr) or wire.dest_id(addr)))
+        return True
 
     # ----------------------------------------------------------------- the address book
     def _same_host(self, addr: str) -> str:

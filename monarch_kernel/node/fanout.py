@@ -43,7 +43,7 @@ from monarch_kernel.node.fantree import Retained, addr_of, columns, members, rep
 
 log = logging.getLogger("monarch_kernel.agent")
 
-_NOBLOCK, _RCVMORE, _SNDMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE), int(zmq.SNDMORE)
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
 _SEND = zmq.backend.Socket.send   # the C send, without pyzmq's Python wrapper
 MAX_HELD = 4096   # messages held for one destination before a batch goes regardless
 MAX_CALLS = 8192  # calls still expecting replies here (a dead member's never comes)
@@ -368,7 +368,6 @@ class FanRelay:
 
 # -------------------------------------------------------------------- the proc's side
 FAN_PREFIX = "fan+"   # reply_to of a fanned call: the reply goes back through the agent
-_GATHER_IDS = wire.DEST_IDS   # dest_id's cache, read without its call on the reply path
 
 
 def real_address(reply_to):
@@ -394,12 +393,8 @@ def send_fanned_reply(rt, gather: str, key: bytes, reply_to: str, call_id: int, 
         # The usual reply (None, a number, a string): what call_one's lean reply does, through
         # the agent. A plain value pickles with pickle.dumps as with our picklers (wire.plain),
         # so both pickles are one C call each, and the message is signed in one pass.
-        header = _dumps(("rv", call_id, proc_key, ok, _dumps(value, 5), []), 5)
-        if len(header) < wire.SMALL_COPY:
-            gid = _GATHER_IDS.get(gather) or wire.dest_id(gather)
-            sock = rt.transport.sender(gather)
-            _SEND(sock, f"{dest}\0{call_id}".encode(), _SNDMORE)
-            _SEND(sock, rt.keyring.sign_one(key, header, gid))
+        if rt.transport.send_plain_routed(gather, f"{dest}\0{call_id}".encode(), key,
+                                          ("rv", call_id, proc_key, ok, _dumps(value, 5), [])):
             return
     dest_is_local = is_local(dest)
     try:

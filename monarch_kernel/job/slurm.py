@@ -44,8 +44,11 @@ _NEVER = {"PartitionConfig", "PartitionNodeLimit", "BadConstraints", "InvalidAcc
 
 def _run(args: list[str], *, input: str | None = None, env: dict | None = None,
          timeout: float = 30.0) -> subprocess.CompletedProcess:
+    # In a session of its own: a kernel's interrupt goes to its whole process group, and
+    # must not end a scancel that kill() holds the interrupt off for (base.py).
     try:
-        return subprocess.run(args, input=input, capture_output=True, text=True, env=env, timeout=timeout)
+        return subprocess.run(args, input=input, capture_output=True, text=True, env=env, timeout=timeout,
+                              start_new_session=True)
     except FileNotFoundError:
         raise JobError(f"{args[0]} is not installed here: a SlurmJob runs where the Slurm client tools "
                        "(sbatch, squeue, scancel) are, e.g. a login node") from None

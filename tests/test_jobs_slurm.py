@@ -122,8 +122,9 @@ def test_a_node_cut_off_fails_its_ranks_within_5_s_and_the_other_node_keeps_its_
     assert cluster.queue() == []
 
 
-def test_a_job_cancelled_from_outside_is_reported_on_the_next_interaction(cluster):
-    job = SlurmJob(meshes={"hosts": 1})
+@pytest.mark.parametrize("allocation", ["sbatch", "salloc"])
+def test_a_job_cancelled_from_outside_is_reported_on_the_next_interaction(cluster, allocation):
+    job = SlurmJob(meshes={"hosts": 1}, allocation=allocation)
     try:
         procs = job.state().hosts.spawn_procs(per_host={"gpus": 1})
         counters = procs.spawn("counters", Counter)
@@ -316,6 +317,9 @@ def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster, mon
 def test_salloc_refusal_and_pending_timeout_say_why_and_leave_nothing(cluster):
     with pytest.raises(JobError, match="salloc refused .*[Ii]nvalid partition"):
         SlurmJob(meshes={"hosts": 2}, partition="nosuch", allocation="salloc").state(cached_path=None)
+    with pytest.raises(JobError, match="salloc refused .*Node count specification invalid"):   # 3 of 2 nodes
+        SlurmJob(meshes={"hosts": 3}, allocation="salloc").state(cached_path=None)
+    assert cluster.queue() == []
     job = SlurmJob(meshes={"hosts": 1}, slurm_args=["--begin=now+3600"], job_start_timeout=1.0, allocation="salloc")
     lines = []
     with pytest.raises(JobError, match=r"still pending after 1 s \(BeginTime\); it was cancelled"):

@@ -350,7 +350,9 @@ class JobTrait(ABC):
 
     def _gone_error(self, reason: str) -> JobGoneError:
         return JobGoneError(f"{self.kind} job {self.name!r} (id {self.job_id}) is gone: {reason}. "
-                            "job.state(renew=True) asks for a new allocation (its procs and actors are lost)")
+                            "job.state(renew=True) asks for a new allocation (its procs and actors are lost); "
+                            f"in a notebook, `%mesh stop {self.name}` forgets it, then the connect cell asks for a "
+                            "new one")
 
     def __repr__(self):
         where = f"id {self.job_id}" if self._handle else "not applied"

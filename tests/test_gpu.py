@@ -99,12 +99,43 @@ def test_a_cuda_tensor_argument_arrives_on_the_gpu_and_a_cuda_result_comes_back(
         assert back.device.type == "cuda" and torch.equal(back, t * 2)
 
 
-def test_a_cuda_tensor_reaches_a_process_without_cuda_on_the_cpu(tmp_path):
+class Ipc(Actor):
+    @endpoint
+    def copies(self) -> int:
+        from monarch_kernel.rdma import cuda_ipc
+        return cuda_ipc.copies
+
+    @endpoint
+    def check(self, ts: list) -> list:
+        return [(str(t.device), float(t.sum())) for t in ts]
+
+    @endpoint
+    def make(self, n: int) -> torch.Tensor:
+        return torch.full((n,), 3.0, device="cuda")
+
+
+def test_large_cuda_tensors_between_procs_of_one_host_go_over_cuda_ipc(procs):
+    """Several tensors from one allocation of the caching allocator in one call, both ways."""
+    from monarch_kernel.rdma import cuda_ipc
+    a = procs.spawn("ipc", Ipc).slice(gpus=1)
+    ts = [torch.full((1 << 19,), float(i + 1), device="cuda") for i in range(3)]   # 2 MiB each
+    before = a.copies.call_one().get()
+    assert a.check.call_one(ts).get() == [("cuda:0", float((i + 1) << 19)) for i in range(3)]
+    assert a.copies.call_one().get() == before + 3, "not over CUDA IPC"
+    mine = cuda_ipc.copies
+    back = a.make.call_one(1 << 22).get()                                         # 16 MiB back
+    assert back.device.type == "cuda" and float(back.sum()) == 3.0 * (1 << 22)
+    assert cuda_ipc.copies == mine + 1, "the result did not come over CUDA IPC"
+
+
+@pytest.mark.parametrize("same_host_handle", [False, True], ids=["pinned-copy", "ipc-handle"])
+def test_a_cuda_tensor_reaches_a_process_without_cuda_on_the_cpu(tmp_path, same_host_handle):
     """A notebook on a CPU-only login node gets a GPU rank's CUDA result as a CPU tensor
-    (torch's own unpickling would raise there)."""
+    (torch's own unpickling would raise there); a same-host receiver that cannot see the GPU
+    pulls a handle's bytes over the sender's data socket instead."""
     from monarch_kernel.core import wire
     t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-    frames = wire.dumps(t)
+    frames = wire.dumps(t, local_receivers=1 if same_host_handle else 0)
     for i, f in enumerate(frames):
         (tmp_path / f"f{i}").write_bytes(bytes(f))
     code = ("import sys, torch; from monarch_kernel.core import wire; "

@@ -24,7 +24,8 @@ import warnings
 _LAZY_ENABLE_PEER_ACCESS = 0x1
 _lib = None
 _lock = threading.Lock()
-_mapped: dict = {}      # (owner pid, slot, gen) -> device pointer of the mapped allocation
+_mapped: dict = {}      # handle -> [device pointer, keys using it]: one allocation, mapped once
+_keys: dict = {}        # (owner pid, slot, gen) -> the handle it maps
 _uuid_index: dict = {}  # GPU UUID -> this process's device index
 _contexts: dict = {}    # device index -> its primary context (retained once per process)
 copies = 0              # transfers done over CUDA IPC in this process (tests read it)
@@ -122,24 +123,35 @@ def _make_current(index: int) -> None:
     _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-def _map(key: tuple, handle: bytes, index: int) -> int:
+def _map(key: tuple, handle: bytes) -> int:
+    """The allocation behind ``handle``, mapped once per process: the caching allocator
+    puts several tensors in one allocation, and the driver maps a handle once."""
     with _lock:
-        ptr = _mapped.get(key)
-        if ptr is None:
+        m = _mapped.get(handle)
+        if m is None:
             p = ctypes.c_uint64()
             _check(_driver().cuIpcOpenMemHandle_v2(ctypes.byref(p), _Handle.from_buffer_copy(handle),
                                                     _LAZY_ENABLE_PEER_ACCESS),
                    "cuIpcOpenMemHandle")
-            ptr = _mapped[key] = p.value
-        return ptr
+            m = _mapped[handle] = [p.value, set()]
+        m[1].add(key)
+        _keys[key] = handle
+        return m[0]
 
 
 def forget(key: tuple) -> None:
-    """Unmap a buffer its owner dropped (found at the generation check)."""
+    """A buffer its owner dropped (found at the generation check), or a tensor pulled once:
+    unmap its allocation when no other buffer of this process uses it."""
     with _lock:
-        ptr = _mapped.pop(key, None)
-    if ptr is not None:
-        _driver().cuIpcCloseMemHandle(ptr)
+        handle = _keys.pop(key, None)
+        m = _mapped.get(handle)
+        if m is None:
+            return
+        m[1].discard(key)
+        if m[1]:
+            return
+        del _mapped[handle]
+    _driver().cuIpcCloseMemHandle(m[0])
 
 
 def transfer(ipc: tuple, key: tuple, nbytes: int, local, write: bool) -> None:
@@ -154,7 +166,7 @@ def transfer(ipc: tuple, key: tuple, nbytes: int, local, write: bool) -> None:
     global copies
     torch.cuda.set_device(index)
     _make_current(index)
-    ptr = _map(key, handle, index)
+    ptr = _map(key, handle)
     remote = torch.as_tensor(_Device(ptr + offset, nbytes), device=f"cuda:{index}")
     if isinstance(local, torch.Tensor):
         mine = local.detach().reshape(-1).view(torch.uint8)

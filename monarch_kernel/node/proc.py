@@ -172,14 +172,17 @@ class ProcWorker:
         if not self.output_limit.admit(text.count("\n") or 1):
             return   # in the log file only; the count goes with the next line or reply
         self._send_skipped(sink)
+        # messages.Output as a literal, in field order: plain values, so it takes the replies'
+        # lean path (one C pickle, signed in one pass), through the agent when the call was fanned.
+        msg = ("out", self.rank, stream, text)
         try:
             route = fanout.output_route(self.gather, self.busy_call, sink[0])
             if route is not None:
-                frames = self.rt.keyring.stamp(self.rt.pack(sink[1], Output.make(self.rank, stream, text)),
-                                               wire.dest_id(self.gather))
-                self.rt.send_frames(self.gather, [route, *frames])
+                if not self.rt.transport.send_plain_routed(self.gather, route, sink[1], msg):
+                    frames = self.rt.keyring.stamp(self.rt.pack(sink[1], msg), wire.dest_id(self.gather))
+                    self.rt.send_frames(self.gather, [route, *frames])
                 return
-            self.rt.send(sink[0], sink[1], Output.make(self.rank, stream, text))
+            self.rt.send_plain(sink[0], sink[1], msg)
         except zmq.ZMQError:
             pass
 

@@ -114,7 +114,8 @@ class ProcWorker:
         self.rank = cfg["rank"]
         self.host = cfg["host"]
         self.mesh_name = cfg["mesh_name"]
-        self.agent = cfg["agent"]
+        self.agent = cfg["agent"]   # the agent's address: how the mesh names this proc's host
+        self.agent_link = cfg.get("agent_ipc") or self.agent   # how this proc talks to it (ipc on its host)
         self.gather = cfg.get("gather")   # the agent's gather inbox: replies of fanned calls (fanout.py)
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
@@ -263,7 +264,7 @@ class ProcWorker:
     # ---------------------------------------------------------------- the main loop
     def serve(self) -> int:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
-        self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
+        self.rt.agent_send(self.agent_link, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
                            self.rt.curve_public)
         self.rt.serve_work_while_waiting(work, self._nested_work)

@@ -239,7 +239,7 @@ SYNC_COMPRESS = _declare("SYNC_COMPRESS", "choice", "auto", "compress synced fil
                          "agent on loopback), `always`, `never`", "controller", choices=("auto", "always", "never"))
 
 # ------------------------------------------------------------------- RDMA buffers
-RDMA_BACKEND = _declare("RDMA_BACKEND", "str", "auto", "the RDMABuffer transport: auto, shm, tcp or "
+RDMA_BACKEND = _declare("RDMA_BACKEND", "str", "auto", "the RDMABuffer transport: auto, shm, tcp, cuda_ipc or "
                         "ibverbs", "any")
 VERBS_LAYER = _declare("VERBS_LAYER", "str", None, "`module:Class` of the verbs layer (default: pyverbs)",
                        "any")

@@ -56,6 +56,20 @@ def tasks_cpu(pid: int) -> tuple[int, int]:
     return ns, cs
 
 
+def threads_cpu(pid: int) -> dict[str, int]:
+    """CPU ns of each thread of ``pid`` by name (the controller: main, monarch-io, ZMQbg...)."""
+    out: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[name] = out.get(name, 0) + int(f.read().split()[0])
+        except OSError:
+            pass
+    return out
+
+
 def roles() -> dict[str, list[int]]:
     me = psutil.Process()
     out: dict[str, list[int]] = {"controller": [me.pid], "agent": [], "zygote": [], "procs": []}
@@ -136,6 +150,7 @@ def main() -> None:
                 for _ in range(5):
                     actors.noop.call().get()
                 lat = []
+                t0 = threads_cpu(os.getpid())
                 s0, c0, w0 = snapshot(r), time.process_time(), time.perf_counter()
                 for _ in range(a.calls):
                     t = time.perf_counter()
@@ -143,13 +158,16 @@ def main() -> None:
                     lat.append(time.perf_counter() - t)
                 wall = time.perf_counter() - w0
                 c1 = time.process_time()
+                t1 = threads_cpu(os.getpid())
+                by_thread = {k: round((v - t0.get(k, 0)) / a.calls / 1e3, 1) for k, v in t1.items()
+                             if v - t0.get(k, 0) > 0}
                 d = diff(s0, snapshot(r), a.calls)
                 lat.sort()
                 emit(what="per_call", mode=mode, round=rnd, n=a.n, p50_ms=round(lat[len(lat) // 2] * 1e3, 2),
                      mean_ms=round(wall / a.calls * 1e3, 2),
                      controller_process_time_ms=round((c1 - c0) / a.calls * 1e3, 3),
                      floor_ms_on_cores=round(d["total_cpu_us"] / 1e3 / os.cpu_count(), 2),
-                     load=round(os.getloadavg()[0], 1), **d)
+                     load=round(os.getloadavg()[0], 1), controller_threads_us=by_thread, **d)
         procs.stop()
     finally:
         host.shutdown()

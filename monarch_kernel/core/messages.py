@@ -301,6 +301,9 @@ class Fan(NamedTuple):
     children: list = ()
     parent: Any = None
     send_id: int = 0
+    # The caller takes "ra" items (node/fantree.py ``summarise``): when every member of this
+    # host answered the same plain value, one item says so instead of a key per member.
+    summaries: bool = False
 
 
 @message("rv")

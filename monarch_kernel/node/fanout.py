@@ -39,7 +39,7 @@ from monarch_kernel.core import curve, wire
 from monarch_kernel.core.messages import Fan
 from monarch_kernel.core.runtime import host_id, ipc_name, is_local
 from monarch_kernel.core.wire import PLAIN_TYPES
-from monarch_kernel.node.fantree import Retained, addr_of, columns, members, replies_in, reroute, seen_before
+from monarch_kernel.node.fantree import Retained, addr_of, columns, members, replies_in, reroute, seen_before, summarise
 
 log = logging.getLogger("monarch_kernel.agent")
 
@@ -91,6 +91,7 @@ class FanRelay:
         self.contacts: dict[str, list] = {}           # destination address -> its contact
         self.expected: dict[tuple[str, int], int] = {}   # (dest, call id) -> replies still to come here
         self.up_of: dict[tuple[str, int], str] = {}   # (dest, call id) -> parent agent ("" = direct)
+        self.own: dict[tuple[str, int], list] = {}    # (dest, call id) -> its members here (summarise)
         self.last_up: dict[str, str] = {}             # dest -> the parent of its latest call
         self.replied: dict[str, deque] = {}            # proc key -> its latest fanned calls answered
         self.sends: dict[tuple[str, int], None] = {}   # tree sends seen (dest, send id), oldest first
@@ -170,11 +171,11 @@ class FanRelay:
                 continue
             if env[0] != "fan" or len(env) < 6:
                 continue
-            _, keys, contact, call_id, header, bufs, children, parent, sid = Fan.of(env)
+            _, keys, contact, call_id, header, bufs, children, parent, sid, summaries = Fan.of(env)
             if sid and contact and seen_before(self, contact[0], sid, call_id, parent):
                 continue   # sent again by the controller after our parent was lost: done already
             # Children first: their subtrees start while this host stamps its own procs.
-            below = sum(self._forward(child, contact, call_id, header, bufs, sid) for child in children)
+            below = sum(self._forward(child, contact, call_id, header, bufs, sid, summaries) for child in children)
             sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
             sent = 0
             procs, stamp, dest_id, to_procs = agent.procs, agent.keyring.stamp, wire.dest_id, self.to_procs
@@ -200,6 +201,12 @@ class FanRelay:
                 k = (dest, call_id)
                 self.expected[k] = self.expected.get(k, 0) + sent + below
                 up = self.up_of[k] = self.last_up[dest] = addr_of(parent) if parent else ""
+                if summaries and sent:   # its replies may go up as summaries (fantree.summarise)
+                    own = self.own
+                    own[k] = [keys, None, sent]
+                    if len(own) > MAX_CALLS:   # calls whose member died before replying
+                        for old in list(own)[:MAX_CALLS // 2]:
+                            del own[old]
                 # Each partial batch costs the controller a wake and a receive: a relay waits longer
                 # for its subtree, and so does a call to many procs of this host (on 2 cores 256
                 # procs answer over tens of ms; 2 ms windows sent 1.75 batches a call). A complete
@@ -213,12 +220,12 @@ class FanRelay:
                     for old in list(self.up_of)[:MAX_CALLS // 2]:
                         del self.up_of[old]
 
-    def _forward(self, child, contact, call_id, header, bufs, sid) -> int:
+    def _forward(self, child, contact, call_id, header, bufs, sid, summaries) -> int:
         """Send a child agent its part of the tree (its procs' keys and its own subtree); how
         many replies it will send up to us."""
         fan, keys, subtree = child
         env = ("fan", keys, contact, call_id, header, [pickle.PickleBuffer(b) for b in bufs], subtree,
-               self.contact(), sid)
+               self.contact(), sid, summaries)
         try:
             self._send_to(addr_of(fan), env, fan)
         except zmq.ZMQError as e:
@@ -326,6 +333,8 @@ class FanRelay:
         return h
 
     def _flush(self, h: _Held) -> None:
+        if self.own:
+            summarise(h.items, self.own, h.dest)
         columns(h.items)
         # Values' buffers (tensors) ride out of band, zero copy, as they came.
         bufs = [pickle.PickleBuffer(b) for b in h.buffers]

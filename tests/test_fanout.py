@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import cloudpickle
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from monarch_kernel import config
-from monarch_kernel.actor import Actor, SupervisionError, current_rank, endpoint, this_host
+from monarch_kernel.actor import Actor, ActorError, SupervisionError, current_rank, endpoint, this_host
+from monarch_kernel.core import fanout
 from monarch_kernel.core.runtime import runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -43,6 +45,24 @@ class Member(Actor):
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return current_rank().rank
+
+    @endpoint
+    def same(self, value, nap: float = 0.0):
+        time.sleep(nap)
+        return value
+
+    @endpoint
+    def parity(self) -> int:
+        return current_rank().rank % 2
+
+    @endpoint
+    def pair(self) -> list:
+        return [1, 2]
+
+    @endpoint
+    def refuse(self, bad: int) -> None:
+        if current_rank().rank == bad:
+            raise ValueError(f"rank {bad} refuses")
 
 
 @pytest.fixture(autouse=True)
@@ -148,3 +168,94 @@ def test_choose_sees_the_members_a_big_call_still_waits_for():
     calls.on_results([(small, keys[0], True, None), (small, keys[1], True, None)])
     calls.on_none_run(big, keys[12:])
     assert [calls.outstanding[k] for k in keys] == [0] * len(keys) and calls.pending_count() == 0
+
+
+class _BatchItems:
+    """Records the items of every fan-in batch the controller reads (core/fanout._on_batch)."""
+
+    def __init__(self, monkeypatch):
+        self.items: list = []
+        real = fanout._on_batch
+
+        def recording(rt, msg, resent=False):
+            self.items.extend(msg[1])
+            return real(rt, msg, resent)
+
+        monkeypatch.setattr(fanout, "_on_batch", recording)
+
+    def take(self) -> list:
+        out, self.items[:] = list(self.items), []
+        return out
+
+
+def test_members_that_answer_alike_come_back_as_one_summary_per_value_without_a_key_each(members, monkeypatch):
+    """A host whose members all answered None (or one of a few plain values) sends one
+    summary item per value (who answered it: a byte per member); the controller marks
+    those members answered in one step. What the user gets is what a reply per member gave."""
+    batches = _BatchItems(monkeypatch)
+    keys = [r.key for r in members._state.proc_state.procs]
+    for value in (None, 7, "seven"):
+        assert members.same.call(value).get(30).values() == [value] * 8
+        items = batches.take()
+        assert {it[0] for it in items} == {"ra"}, items   # no key per member, no per-member run
+        assert sum(it[3].count(1) for it in items) == 8 and {it[2] for it in items} == {keys[0]}
+    assert members.parity.call().get(30).values() == [0, 1] * 4
+    items = batches.take()
+    assert {it[0] for it in items} == {"ra"} and sum(it[3].count(1) for it in items) == 8
+    # Equal values that are not plain are not shared: each rank's result is its own object.
+    got = members.pair.call().get(30).values()
+    assert got == [[1, 2]] * 8 and len({id(v) for v in got}) == 8
+    got[0].append(3)
+    assert got[1] == [1, 2]
+    # Distinct values per rank and an error on one rank still go key by key, and say which.
+    assert members.say.call(2).get(30).values() == [20 + r for r in range(8)]
+    with pytest.raises(ActorError, match="rank 5 refuses") as e:
+        members.refuse.call(5).get(30)
+    got = e.value.results.values()
+    assert [got[r] for r in range(8) if r != 5] == [None] * 7 and isinstance(got[5], ActorError)
+    # A stream sees every member; choose() sees them all idle afterwards.
+    assert list(members.same.stream(3).values()) == [3] * 8
+    assert [runtime().calls.outstanding[k] for k in keys] == [0] * 8 and runtime().calls.pending_count() == 0
+
+
+def test_a_proc_killed_while_its_host_summarises_fails_only_its_rank():
+    pm = this_host().spawn_procs(per_host={"gpus": 6}, name="fanned_summary_kill")
+    try:
+        m = pm.spawn("m", Member)
+        pids = m.pid.call().get(30).values()
+        fut = m.same.call(None, 2.0)   # every member answers None after 2 s, but rank 4 is killed
+        pending = runtime().pending_of(fut)
+        time.sleep(0.3)
+        os.kill(pids[4], signal.SIGKILL)
+        with pytest.raises(SupervisionError, match="rank 4"):
+            fut.get(10)
+        deadline = time.monotonic() + 15
+        while sum(pending.answered) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bytes(pending.answered) == b"\x01" * 6
+        assert [pending.results[r] for r in (0, 1, 2, 3, 5)] == [None] * 5 and "rank 4" in str(pending.results[4])
+        # The dead rank is no member of later calls' summaries; the others still answer alike.
+        with pytest.raises(SupervisionError, match="rank 4"):
+            m.same.call(1).get(30)
+        assert m.slice(gpus=slice(0, 4)).same.call(1).get(30).values() == [1] * 4
+        assert runtime().calls.pending_count() == 0
+    finally:
+        pm.stop()
+
+
+def test_a_thread_waiting_on_a_fanned_call_runs_the_wait_hook_and_honours_its_timeout(members):
+    """A fanned call is waited on without reading the inbox (the I/O thread resolves it):
+    the debugger's wait hook must still run in the waiting thread, and a timeout still
+    leaves the call running."""
+    rt = runtime()
+    ran = []
+    old = rt.set_wait_hook((threading.get_ident(), lambda: ran.append(threading.get_ident())))
+    try:
+        fut = members.same.call(5, 1.0)
+        threading.Timer(0.3, rt.want_wait_hook).start()
+        with pytest.raises(TimeoutError, match="still running"):
+            fut.get(0.6)
+        assert ran == [threading.get_ident()]
+        assert fut.get(30).values() == [5] * 8
+    finally:
+        rt.set_wait_hook(old)

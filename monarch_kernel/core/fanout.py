@@ -54,6 +54,7 @@ _kids: dict[str, dict] = {}    # agent -> {child agent: mesh key}: whom to tell 
 _lost: set[str] = set()        # agents whose host is lost: never a relay
 _via: dict[str, deque] = {}    # relay agent -> what it was to forward: resent to its children if it is lost
 _plans: dict[tuple, tuple] = {}   # a send's members -> them by host (_hosts_of)
+_joined: set[str] = set()      # agents that read a host's member keys as one NUL-joined string
 _sids = itertools.count(1)     # tree sends' numbers (an agent that gets one twice acts once)
 RESEND_S = 10.0                # a relay's sends without a pending call kept this long (broadcasts)
 _pid = [0]
@@ -64,7 +65,7 @@ def learn_agent(rt, agent_addr: str, info: dict) -> None:
     """From an agent's hello answer: where its fan inbox is (agents without one: direct)."""
     fan = info.get("fan")
     if _pid[0] != os.getpid():   # a forked child starts with no routes
-        for d in (_routes, _fan, _trees, _kids, _lost, _via, _plans):
+        for d in (_routes, _fan, _trees, _kids, _lost, _via, _plans, _joined):
             d.clear()
         _pid[0] = os.getpid()
     _trees.clear()
@@ -73,6 +74,11 @@ def learn_agent(rt, agent_addr: str, info: dict) -> None:
         return
     _routes[agent_addr] = rt.learn_contact(list(fan))
     _fan[agent_addr] = list(fan)
+    if info.get("fan_version", 1) >= 2:
+        _joined.add(agent_addr)
+    else:
+        _joined.discard(agent_addr)
+    _plans.clear()
     if rt.once("fan-in batches"):
         rt.on_message("rb", lambda msg: _on_batch(rt, msg))
         rt.on_message("rr", lambda msg: _on_batch(rt, msg, resent=True))
@@ -94,7 +100,7 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     fan_min = config.FANOUT_MIN.get() if _routes and len(refs) > 1 else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
-        hosts, starts, keys = _hosts_of(refs)
+        hosts, starts, keys, wire_keys = _hosts_of(refs)
         groups = dict(hosts)
         for agent in hosts:   # a big send goes through every agent: 32 hosts x 8 too
             if agent not in _routes:
@@ -114,30 +120,33 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     if inner is not None:
         if len(groups) < len(keys):
             keys = {agent: keys[agent] for agent in groups}
+            wire_keys = {agent: wire_keys[agent] for agent in groups}
         if call_id:   # where each host's members sit in the call, for its summaries (``_on_batch``)
             rt.calls.set_parts(call_id, [(starts[a], ks) for a, ks in keys.items()])
         width = config.FANOUT_TREE_WIDTH.get() if len(groups) > 1 else 0
         if width and len(groups) > width:
             sid = next(_sids)
             for agent, subtree in _tree(tuple(groups), width, key):
-                below = _envelopes(subtree, keys)
-                env = ("fan", keys[agent], rt.contact, call_id, inner[0], bufs, below, None, sid, True)
+                below = _envelopes(subtree, wire_keys)
+                env = ("fan", wire_keys[agent], rt.contact, call_id, inner[0], bufs, below, None, sid, True)
                 rt.send_frames(_routes[agent], rt.pack(key, env))
                 if below:
                     _remember_sends(rt, agent, subtree, below, (time.monotonic(), sid, key, call_id, inner[0], bufs))
         else:
-            for agent, ks in keys.items():
+            for agent, ks in wire_keys.items():
                 env = ("fan", ks, rt.contact, call_id, inner[0], bufs, (), None, 0, True)
                 rt.send_frames(_routes[agent], rt.pack(key, env))
     for r in direct:
         rt.send_frames(r.work, frames)
 
 
-def _hosts_of(refs: list) -> tuple[dict, dict, dict]:
+def _hosts_of(refs: list) -> tuple[dict, dict, dict, dict]:
     """``refs`` by host agent: {agent: its members}, {agent: their first place in refs, or
-    -1 where they are not adjacent}, {agent: their keys}. Cached per list of members (a
-    call to all sends to the same members each time; 256 of them took ~70 µs to group):
-    the cache is checked by comparing the lists, which is a pointer compare per member."""
+    -1 where they are not adjacent}, {agent: their keys}, {agent: their keys as its envelope
+    carries them (joined by NUL for an agent that reads that)}. Cached per list of members
+    (a call to all sends to the same members each time; 256 of them took ~70 µs to group,
+    and their keys as a list ~20 µs more to pickle): the cache is checked by comparing
+    the lists, which is a pointer compare per member."""
     plan = _plans.get((len(refs), id(refs[0]), id(refs[-1])))
     if plan is not None and plan[0] == refs:
         return plan[1]
@@ -153,7 +162,8 @@ def _hosts_of(refs: list) -> tuple[dict, dict, dict]:
             have.extend(run)
             starts[agent] = -1
         at += len(run)
-    out = groups, starts, {agent: list(map(_KEY, members)) for agent, members in groups.items()}
+    keys = {agent: list(map(_KEY, members)) for agent, members in groups.items()}
+    out = groups, starts, keys, {agent: "\0".join(ks) if agent in _joined else ks for agent, ks in keys.items()}
     if len(_plans) >= 64:
         _plans.clear()
     _plans[(len(refs), id(refs[0]), id(refs[-1]))] = (list(refs), out)   # (its refs keep the ids taken)

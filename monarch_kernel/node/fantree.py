@@ -227,6 +227,7 @@ def reroute(relay, dest: str, lost_contact, calls=None) -> int:
                 mine.since = time.monotonic()
             mine.items.extend(h.items)
             mine.buffers.extend(h.buffers)
+            mine.shown += h.shown
     if items:
         relay.send_up(dest, "", ("rr", items, [pickle.PickleBuffer(b) for b in buffers]))
     n = sum(map(replies_in, items))

@@ -32,6 +32,19 @@ Figures (one JSON line each, the shared record format; median of --runs):
   slurm_salloc_kill_s       kill() to nothing queued and no agent left
   slurm_salloc_first_reply_no_torch_s  salloc, zygotes without torch (MONARCH_KERNEL_NO_TORCH=1)
   slurm_first_torch_reply_s the sbatch run's first reply of the torch endpoint
+  The timeline of one start, each phase's time since the state() call (the last node's, where
+  there are two), for sbatch (slurm_at_*) and salloc (slurm_salloc_at_*):
+    *_at_accepted_s           sbatch returned the job id / salloc was granted the allocation
+    *_at_running_s            the job runs: the batch script started (sbatch) / granted (salloc)
+    *_at_step_started_s       the srun step started the last node's starter (python -m monarch_kernel.job.node)
+    *_at_zygote_import_s      the last zygote began its preload (torch first): the starter starts it first
+    *_at_agents_up_s          the last agent printed its address (it listens)
+    *_at_agents_connected_s   the last node's report reached the controller's rendezvous
+    *_at_state_s              state() returned: every agent attached (hello answered)
+    *_at_zygotes_ready_s      the last zygote finished its preload (torch, the runtime, IPython.display)
+    *_at_procs_spawned_s      spawn_procs() returned: 2 x 2 procs forked and registered
+    *_at_first_reply_s        the first reply of a trivial endpoint (actors spawned)
+    *_at_first_torch_reply_s  the first reply of an endpoint that uses torch (torch.ones(4).sum())
   process_first_reply_s     the same first reply with ProcessJob (local agent processes)
   k8s_fake_state_s          KubernetesJob on the FAKE API server (tests/fake_k8s.py): pods created to
                             both agents attached
@@ -112,18 +125,24 @@ def slurm_run(cluster, Where) -> dict:
     out = {}
     logs = tempfile.mkdtemp(prefix="mk-bench-slurm-logs-")
     job = SlurmJob(meshes={"hosts": 2}, log_dir=logs)
+    marks: dict[str, float] = {}
     t0, w0 = time.perf_counter(), time.time()
-    state = job.state()
+    state = job.state(progress=_marking(marks))
     out["slurm_state_s"] = time.perf_counter() - t0
-    w_state = time.time()
-    where = state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
+    w_state = marks["state"] = time.time()
+    procs = state.hosts.spawn_procs(per_host={"gpus": 2})
+    marks["procs_spawned"] = time.time()
+    where = procs.spawn("where", Where)
     where.host.call().get(timeout=60)
     out["slurm_first_reply_s"] = time.perf_counter() - t0
-    w_reply = time.time()
+    w_reply = marks["first_reply"] = time.time()
     where.torch_sum.call().get(timeout=60)
     out["slurm_first_torch_reply_s"] = time.perf_counter() - t0
+    marks["first_torch_reply"] = time.time()
     out.update(_breakdown(job._agents, w0, w_state, w_reply))
-    out.update(_zygotes(os.path.join(logs, f"monarch-{job.job_id}.out"), job._agents))
+    zygotes = _zygotes(os.path.join(logs, f"monarch-{job.job_id}.out"), job._agents)
+    out.update(_timeline("slurm", w0, marks, job._agents, zygotes))
+    out.update({k: v for k, v in zygotes.items() if not k.startswith("_")})
     job.disconnect()
     r = subprocess.run([sys.executable, "-c", REATTACH, logs], capture_output=True, text=True, timeout=120, cwd=ROOT)
     out["slurm_reattach_s"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
@@ -160,6 +179,35 @@ def _breakdown(agents: list[dict], w0: float, w_state: float, w_reply: float) ->
             "slurm_state_to_reply_s": w_reply - w_state}
 
 
+def _marking(marks: dict):
+    """A progress callback that notes when the scheduler accepted the job and when squeue
+    first said it runs."""
+    def progress(line: str) -> None:
+        now = time.time()
+        if ("submitted" in line or "allocated" in line) and "accepted" not in marks:
+            marks["accepted"] = now
+        if "allocated" in line:
+            marks.setdefault("running", now)   # an interactive allocation runs once granted
+    return progress
+
+
+def _timeline(prefix: str, w0: float, marks: dict, agents: list[dict], zygotes: dict) -> dict:
+    """Each phase of one start as seconds since the state() call (the last node's)."""
+    ts = [a.get("t") or {} for a in agents]
+    at = dict(marks)
+    if all("batch_started" in t for t in ts):   # sbatch: the job runs once its batch script does
+        at["running"] = min(t["batch_started"] for t in ts)
+    for phase, key in (("step_started", "node_started"), ("agents_up", "agent_ready"),
+                       ("agents_connected", "reported")):
+        if ts and all(key in t for t in ts):
+            at[phase] = max(t[key] for t in ts)
+    if "_began" in zygotes:
+        at["zygote_import"], at["zygotes_ready"] = zygotes["_began"], zygotes["_ready"]
+    order = ("accepted", "running", "step_started", "zygote_import", "agents_up", "agents_connected", "state",
+             "zygotes_ready", "procs_spawned", "first_reply", "first_torch_reply")
+    return {f"{prefix}_at_{p}_s": at[p] - w0 for p in order if p in at}
+
+
 def _zygotes(log: str, agents: list[dict]) -> dict:
     """From the nodes' agent logs (log_dir): when each zygote began its preload (torch, the
     runtime) and how long that took, i.e. "zygote ready (preload X s)" minus X."""
@@ -183,7 +231,8 @@ def _zygotes(log: str, agents: list[dict]) -> dict:
         return {}
     # the ms-resolution log stamp; the last node up against the last zygote to start
     return {"slurm_node_to_zygote_s": max(s for s, _ in seen) - max(t["node_started"] for t in ts),
-            "slurm_zygote_preload_s": max(p for _, p in seen)}
+            "slurm_zygote_preload_s": max(p for _, p in seen),
+            "_began": max(s for s, _ in seen), "_ready": max(s + p for s, p in seen)}
 
 
 def slurm_salloc_run(cluster, Where, torch: bool = True) -> dict:
@@ -193,19 +242,29 @@ def slurm_salloc_run(cluster, Where, torch: bool = True) -> dict:
     if not torch:
         os.environ["MONARCH_KERNEL_NO_TORCH"] = "1"   # srun passes it to the nodes' zygotes
     try:
-        job = SlurmJob(meshes={"hosts": 2}, allocation="salloc", name=f"bench-salloc-{int(torch)}")
+        logs = tempfile.mkdtemp(prefix="mk-bench-salloc-logs-")
+        job = SlurmJob(meshes={"hosts": 2}, allocation="salloc", name=f"bench-salloc-{int(torch)}", log_dir=logs)
+        marks: dict[str, float] = {}
         t0, w0 = time.perf_counter(), time.time()
-        state = job.state(cached_path=None)
+        state = job.state(cached_path=None, progress=_marking(marks))
         took_state = time.perf_counter() - t0
-        w_state = time.time()
-        where = state.hosts.spawn_procs(per_host={"gpus": 2}).spawn("where", Where)
+        w_state = marks["state"] = time.time()
+        procs = state.hosts.spawn_procs(per_host={"gpus": 2})
+        marks["procs_spawned"] = time.time()
+        where = procs.spawn("where", Where)
         where.host.call().get(timeout=60)
         first = time.perf_counter() - t0
+        marks["first_reply"] = time.time()
         split = {k.replace("slurm_", "slurm_salloc_", 1): v
-                 for k, v in _breakdown(job._agents, w0, w_state, time.time()).items()}
+                 for k, v in _breakdown(job._agents, w0, w_state, marks["first_reply"]).items()}
         if torch:
             where.torch_sum.call().get(timeout=60)
             first_torch = time.perf_counter() - t0
+            marks["first_torch_reply"] = time.time()
+            zygotes = _zygotes(os.path.join(logs, f"monarch-{job.job_id}.out"), job._agents)
+            split.update(_timeline("slurm_salloc", w0, marks, job._agents, zygotes))
+            split.update({k.replace("slurm_", "slurm_salloc_", 1): v for k, v in zygotes.items()
+                          if not k.startswith("_")})
         pids = [a["pid"] for a in job._agents]
         t1 = time.perf_counter()
         job.kill()

@@ -54,7 +54,8 @@ def _telemetry(self):
 
 # ------------------------------------------------------------------ the rest
 def _same_host_tensor(tensor, receivers: int):
-    """Large CPU tensors between processes of one host travel by handle (rdma/wirepath.py)."""
+    """Large tensors between processes of one host travel by handle (rdma/wirepath.py): CPU
+    ones pulled with process_vm_readv, CUDA ones mapped with CUDA IPC."""
     from .rdma.wirepath import reduce_local
 
     return reduce_local(tensor, receivers)

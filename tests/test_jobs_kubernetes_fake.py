@@ -271,3 +271,34 @@ def test_fake_cluster_default_pods_after_the_lease_succeed_and_are_not_restarted
 def test_fake_cluster_an_unknown_workload_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="use 'pods' .* or 'jobs'"):
         KubernetesJob(workload="deployment")
+
+
+def test_fake_cluster_a_pod_deleted_or_cut_off_mid_run_fails_its_ranks_the_other_keeps_its_state(k8s):
+    """Issue 12's faults: a node lost mid-run (its link down) fails its ranks and the others
+    keep their state; pods deleted from outside are reported on the next interaction, no
+    hang."""
+    from monarch_kernel.actor import SupervisionError
+
+    job = KubernetesJob(kubeconfig=k8s.kubeconfig, name="lost-pods").add_mesh(
+        "w", 2, image_spec=ImageSpec("fake/monarch:1"))
+    try:
+        hosts = job.state().w.spawn_procs(per_host={"gpus": 1}).spawn("hosts", Host)
+        pods = [n for n, _ in hosts.where.call().get(timeout=60).values()]
+        if k8s.net is not None:   # pod 1's link down: its ranks fail, pod 0's keep their state
+            k8s.net.link(pods[1], up=False)
+            try:
+                with pytest.raises(SupervisionError, match="host lost"):
+                    hosts.slice(hosts=1).where.call().get(timeout=30)
+                assert hosts.slice(hosts=0).where.call().get(timeout=10).values() == [(pods[0], 2)]
+            finally:
+                k8s.net.link(pods[1], up=True)
+        job.disconnect()
+        hosts = job.state().w.proc_mesh("procs").actor_mesh("hosts")
+        k8s.delete_pod("default", pods[1])   # from outside (kubectl delete pod): its agent and procs end
+        with pytest.raises(SupervisionError):
+            hosts.where.call().get(timeout=30)
+        with pytest.raises(JobGoneError, match=f"pod {pods[1]} was deleted"):
+            job.state()
+    finally:
+        job.kill()
+    assert not k8s.pods and not k8s.secrets and not k8s.jobs and not k8s.procs

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 import time
 
 import pytest
@@ -80,4 +82,62 @@ def test_fake_cluster_interrupting_a_connect_cell_whose_pods_wait_deletes_everyt
         k.ok("%mesh stop after", timeout=60)
     finally:
         k.close(stop_meshes=("after", "waiting"))
+    assert not k8s.pods and not k8s.secrets
+
+
+class SlowDeletes(FakeKubernetes):
+    """The fake whose first pod DELETE from a client calls ``on_delete`` (the test presses
+    the kernel's interrupt button there, twice) and answers 1.5 s late."""
+
+    on_delete = None
+
+    def delete_pod(self, ns, name):
+        out = super().delete_pod(ns, name)
+        if self.on_delete is not None and threading.current_thread().name != "fake-kubelet":
+            hook, self.on_delete = self.on_delete, None
+            hook()
+            time.sleep(1.5)
+        return out
+
+
+@pytest.fixture(scope="module")
+def k8s_slow_delete():
+    with SlowDeletes(use_netns=os.geteuid() == 0 and bool(shutil.which("ip"))) as fake:
+        yield fake
+
+
+@pytest.mark.timeout(240)
+def test_fake_cluster_pressing_interrupt_twice_while_mesh_stop_deletes_the_pods_leaves_nothing(k8s_slow_delete):
+    k8s = k8s_slow_delete
+    k = KernelHarness(env={"KUBECONFIG": k8s.kubeconfig})
+    kernel_pid = k.km.provisioner.process.pid
+    try:
+        k.ok("%mesh connect pressed --k8s default --image fake/monarch:1 --replicas 2 --procs 1", timeout=120)
+        k.ok("%%on_mesh\nx = rank")
+        assert len(k8s.pods) == 2 and k8s.secrets
+        pressed = []
+
+        def press_twice():   # as jupyter_client's interrupt does: SIGINT to the kernel's process group
+            for _ in range(2):
+                os.killpg(os.getpgid(kernel_pid), signal.SIGINT)
+                pressed.append(time.monotonic())
+                time.sleep(0.4)
+
+        k8s.on_delete = press_twice
+        r = k.run("%mesh stop pressed", timeout=120)
+        assert len(pressed) == 2, "the release never deleted a pod"
+        assert r.status == "ok", f"%mesh stop was cut short: {r.error or r.stderr}"
+        assert "mesh 'pressed' stopped" in r.stdout, r.stdout
+        assert "the interrupt was held off until the job was released; nothing of it is left" in r.stderr, r.stderr
+        assert not k8s.pods and not k8s.secrets and not k8s.jobs, (list(k8s.pods), list(k8s.secrets))
+        assert not k8s.procs
+        deadline = time.monotonic() + 10
+        while home_processes(k.home) - {kernel_pid} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert home_processes(k.home) - {kernel_pid} == set(), "an agent or proc of the job is left"
+        assert not os.path.exists(os.path.join(k.home, "meshes", "pressed.json")), "the job is still cached"
+        assert k.ok("1 + 1").result == "2"   # the kernel goes on
+    finally:
+        k8s.on_delete = None
+        k.close(stop_meshes=("pressed",))
     assert not k8s.pods and not k8s.secrets

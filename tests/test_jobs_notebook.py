@@ -155,6 +155,34 @@ def test_connect_k8s_runs_cells_in_pods_of_the_fake_cluster_and_stop_deletes_the
     assert not k8s.pods and not k8s.secrets and not k8s.jobs
 
 
+def test_a_job_cancelled_from_outside_is_reported_and_the_notebook_gets_a_new_one(k, cluster):
+    """scancel from outside (an admin, the time limit): the next cell fails at once, the
+    connect cell says the job is gone and what to run, and after that a new job comes."""
+    cell = '%mesh connect outside --slurm "-N 2 -t 30" --procs 1'
+    r = k.ok(cell, timeout=120)
+    job_id = re.search(r"on slurm job (\d+) started", r.stdout).group(1)
+    k.ok("%%on_mesh\nx = rank")
+    assert cluster.run("scancel", job_id).returncode == 0
+    deadline = time.monotonic() + 15
+    while cluster.queue() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    r = k.run("%%on_mesh\nx", timeout=60)
+    said = r.reply["content"].get("evalue", "") + r.stderr
+    assert r.status == "error" and ("host lost" in said or "is gone" in said), said
+    r = k.run(cell, timeout=60)   # re-running the connect cell: the job is reported gone, with what to do
+    said = r.reply["content"].get("evalue", "")
+    assert r.status == "error" and f"slurm job 'outside' (id {job_id}) is gone" in said, said
+    assert "`%mesh stop outside`" in said, said
+    assert "stopped" in k.ok("%mesh stop outside", timeout=60).stdout
+    r = k.ok(cell, timeout=120)   # ... and then the same cell asks for a new allocation
+    new_id = re.search(r"on slurm job (\d+) started", r.stdout).group(1)
+    assert new_id != job_id
+    out = k.ok("%%on_mesh\nimport socket\nsocket.gethostname()")
+    assert "n1" in out.stdout + out.result and "n2" in out.stdout + out.result
+    k.ok("%mesh stop outside", timeout=60)
+    assert cluster.queue() == []
+
+
 @pytest.mark.timeout(300)
 def test_the_slurm_notebook_runs_against_a_fresh_cluster_and_its_outputs_match(tmp_path):
     """notebooks/slurm.ipynb under nbval (tests/test_notebooks.py runs the others): its own

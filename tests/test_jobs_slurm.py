@@ -122,8 +122,9 @@ def test_a_node_cut_off_fails_its_ranks_within_5_s_and_the_other_node_keeps_its_
     assert cluster.queue() == []
 
 
-def test_a_job_cancelled_from_outside_is_reported_on_the_next_interaction(cluster):
-    job = SlurmJob(meshes={"hosts": 1})
+@pytest.mark.parametrize("allocation", ["sbatch", "salloc"])
+def test_a_job_cancelled_from_outside_is_reported_on_the_next_interaction(cluster, allocation):
+    job = SlurmJob(meshes={"hosts": 1}, allocation=allocation)
     try:
         procs = job.state().hosts.spawn_procs(per_host={"gpus": 1})
         counters = procs.spawn("counters", Counter)
@@ -263,6 +264,30 @@ def _our_sruns(job_id: str) -> list[str]:
     return [line for line in r.stdout.splitlines() if "pgrep" not in line]
 
 
+def _launcher_of(job_id: str) -> int:
+    """The pid of the sh this process started to hold job ``job_id``'s step (from /proc)."""
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if ppid == os.getpid() and argv[:2] == [b"sh", b"-c"] and b"srun" in argv[2] and argv[4:5] == [job_id.encode()]:
+            return int(d)
+    raise AssertionError(f"no launcher of slurm job {job_id} among this process's children")
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (Z: a zombie), or None once it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster, monkeypatch):
     # as if the kernel ran inside a Slurm job of its own (a notebook server started by sbatch):
     # srun must not take that job's shape for the new allocation's step
@@ -278,8 +303,10 @@ def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster, mon
         assert any("allocated; starting the agents" in line for line in lines), lines
         assert _our_sruns(job.job_id)   # the step's srun runs here, in a session of its own
         job_id = job.job_id
+        launcher = _launcher_of(job_id)
     finally:
         job.kill()
+    assert _state(launcher) is None, "kill() left the step's launcher (sh) running or a zombie"
     assert cluster.queue() == []
     deadline = time.monotonic() + 10
     while _our_sruns(job_id) and time.monotonic() < deadline:
@@ -290,6 +317,9 @@ def test_salloc_allocation_spans_both_nodes_and_kill_leaves_nothing(cluster, mon
 def test_salloc_refusal_and_pending_timeout_say_why_and_leave_nothing(cluster):
     with pytest.raises(JobError, match="salloc refused .*[Ii]nvalid partition"):
         SlurmJob(meshes={"hosts": 2}, partition="nosuch", allocation="salloc").state(cached_path=None)
+    with pytest.raises(JobError, match="salloc refused .*Node count specification invalid"):   # 3 of 2 nodes
+        SlurmJob(meshes={"hosts": 3}, allocation="salloc").state(cached_path=None)
+    assert cluster.queue() == []
     job = SlurmJob(meshes={"hosts": 1}, slurm_args=["--begin=now+3600"], job_start_timeout=1.0, allocation="salloc")
     lines = []
     with pytest.raises(JobError, match=r"still pending after 1 s \(BeginTime\); it was cancelled"):
@@ -340,3 +370,26 @@ def test_salloc_lease_releases_the_allocation_even_with_the_launcher_gone(cluste
             assert cluster.queue() == [], launcher_gone
         finally:
             job.kill()
+
+
+def test_salloc_launcher_is_reaped_when_its_step_ends_at_the_lease(cluster):
+    """The sh that holds an salloc job's step (and cancels the allocation after it) is this
+    process's child: when the step ends on its own (the lease), it is reaped at once, not
+    left a zombie (``<defunct>`` in ps) until the process's next subprocess call."""
+    job = SlurmJob(meshes={"hosts": 1}, lease=2.0, allocation="salloc", name="salloc-reaped")
+    try:
+        job.state(cached_path=None)
+        launcher = _launcher_of(job.job_id)
+        job.disconnect()
+        # No subprocess call from here on: Python's subprocess module reaps the children it
+        # lost track of at its next call, which would hide the zombie.
+        deadline = time.monotonic() + 60
+        while _state(launcher) not in (None, "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while _state(launcher) == "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _state(launcher) is None, f"the launcher is {_state(launcher)} 60 s after a 2 s lease"
+    finally:
+        job.kill()
+    assert cluster.queue() == []

@@ -133,3 +133,42 @@ def test_the_lease_ends_the_ssh_agents_no_notebook_is_attached_to(hosts):
             job.state()
     finally:
         job.kill()
+
+
+def test_a_host_cut_off_fails_its_ranks_the_other_keeps_its_state_and_agents_killed_outside_are_reported(hosts):
+    """Issue 12's faults for ssh hosts: a host whose link goes down fails its ranks and the
+    other keeps its state; agents ended from outside are reported on the next interaction."""
+    import signal
+
+    from monarch_kernel.actor import SupervisionError
+    from monarch_kernel.job import JobGoneError
+
+    job = _job(hosts, name="ssh-faults")
+    try:
+        where = job.state().hosts.spawn_procs(per_host={"gpus": 1}).spawn("where", Counted)
+        assert where.host.call().get(timeout=60).values() == [("h1", 1), ("h2", 1)]
+        hosts.net.link("h2", up=False)
+        try:
+            with pytest.raises(SupervisionError, match="host lost"):
+                where.slice(hosts=1).host.call().get(timeout=30)
+            assert where.slice(hosts=0).host.call().get(timeout=10).values() == [("h1", 2)]
+        finally:
+            hosts.net.link("h2", up=True)
+        h2_agent = job._handle["agents"]["1"]
+        os.kill(h2_agent, signal.SIGKILL)   # (the "hosts" share this machine's pid space)
+        with pytest.raises(JobGoneError, match=rf"the agent on h2 \(pid {h2_agent}\) no longer runs"):
+            job.state()
+    finally:
+        job.kill()
+
+
+class Counted(Actor):
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def host(self) -> tuple:
+        import socket
+
+        self.n += 1
+        return socket.gethostname(), self.n

@@ -108,9 +108,40 @@ def _reduce_tensor(obj, torch):
     return _rebuild_tensor, (buf, dtype, tuple(obj.shape), bool(obj.requires_grad))
 
 
+def _rebuild_cuda_tensor(cpu, index: int, requires_grad: bool):
+    """A CUDA tensor sent as host bytes lands on the receiver's ``cuda:index``; where the
+    receiver has no such device (a notebook on a CPU-only login node) it stays on the CPU,
+    where torch's own unpickling would raise."""
+    import torch
+
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        cpu = cpu.to(f"cuda:{index}")
+    if requires_grad:
+        cpu.requires_grad_(True)
+    return cpu
+
+
+def _reduce_cuda_tensor(obj, torch):
+    """Torch pickles a CUDA tensor's storage through torch.save, at ~0.1 GB/s (measured on an
+    H100). One copy into pinned host memory instead, then the CPU path (same-host handles
+    for large tensors, zero-copy frames otherwise): ~30x that."""
+    data = obj.detach()
+    nbytes = data.numel() * data.element_size()
+    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=nbytes >= SMALL_COPY)
+    host.copy_(data)
+    return _rebuild_cuda_tensor, (host, data.device.index or 0, bool(obj.requires_grad))
+
+
 def _tensor_reduction(obj, t):
     torch = sys.modules.get("torch")
     if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
+        if obj.device.type == "cuda" and obj.layout == torch.strided and not obj.is_quantized:
+            n = _LOCAL.receivers
+            if n and LARGE_TENSOR_HOOK is not None and obj.numel() * obj.element_size() >= LARGE_TENSOR_BYTES:
+                r = LARGE_TENSOR_HOOK(obj.detach().contiguous(), n)   # same host: CUDA IPC
+                if r is not None:
+                    return r
+            return _reduce_cuda_tensor(obj, torch)
         if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
             n = _LOCAL.receivers
             if n and LARGE_TENSOR_HOOK is not None and obj.numel() * obj.element_size() >= LARGE_TENSOR_BYTES:
@@ -182,7 +213,7 @@ class _Pickler(cloudpickle.Pickler):
         return _install_sources, (sources,)
 
 
-_OURS = frozenset((_none, _rebuild_tensor, _install_sources))
+_OURS = frozenset((_none, _rebuild_tensor, _rebuild_cuda_tensor, _install_sources))
 
 
 def dumps(obj, local_receivers: int = 0) -> list:

@@ -234,17 +234,16 @@ class JobTrait(ABC):
         for or re-attached to with ``state()``, or loaded with ``job_load()``); afterwards
         nothing of it is left queued or running, and its cache is removed.
 
+        The interrupt (the kernel's stop button, Ctrl-C) is held off while it runs, so that a
+        press or two while the allocation is released cannot leave half of it behind: the
+        release finishes, then says it held the interrupt off. A third press gets through,
+        with a message saying how to release the rest.
+
         A job object that was never applied holds nothing, so its ``kill()`` releases
         nothing, even when a job of the same name and spec is cached by another process:
         that one is released with ``job_load(path).kill()`` or ``%mesh stop NAME``
         (a warning says so)."""
-        for hm in self._hosts.values():
-            try:
-                hm.shutdown()
-            except Exception as e:
-                log.warning("shutting down %s: %s", hm.name, e)
-        self._hosts = {}
-        if self._handle is None:
+        if self._handle is None and not self._hosts:
             cached = connection_path(self.name)
             rec = _read(cached) if cached.exists() else None
             if rec is not None and rec.get("job"):
@@ -255,6 +254,24 @@ class JobTrait(ABC):
                               f"released nothing; the job cached at {cached} (id {cached_id}) "
                               f"was started elsewhere: job_load({str(cached)!r}).kill() or `%mesh stop {self.name}` "
                               "releases it", UserWarning, stacklevel=2)
+            return
+        if _held_off_interrupts(self._kill, through_at=3,
+                                escaped=f"interrupted three times while {self.kind} job {self.name!r} was released: "
+                                        f"part of it may be left; `%mesh stop {self.name}` or job.kill() again "
+                                        "releases the rest"):
+            import sys
+
+            print(f"{self.kind} job {self.name!r}: the interrupt was held off until the job was released; "
+                  "nothing of it is left", file=sys.stderr, flush=True)
+
+    def _kill(self) -> None:
+        for hm in self._hosts.values():
+            try:
+                hm.shutdown()
+            except Exception as e:
+                log.warning("shutting down %s: %s", hm.name, e)
+        self._hosts = {}
+        if self._handle is None:
             return
         self._release()
         self._reset(self._cache)
@@ -333,17 +350,24 @@ class JobTrait(ABC):
 
     def _gone_error(self, reason: str) -> JobGoneError:
         return JobGoneError(f"{self.kind} job {self.name!r} (id {self.job_id}) is gone: {reason}. "
-                            "job.state(renew=True) asks for a new allocation (its procs and actors are lost)")
+                            "job.state(renew=True) asks for a new allocation (its procs and actors are lost); "
+                            f"in a notebook, `%mesh stop {self.name}` forgets it, then the connect cell asks for a "
+                            "new one")
 
     def __repr__(self):
         where = f"id {self.job_id}" if self._handle else "not applied"
         return f"<{type(self).__name__} {self.name!r} {self._meshes} ({where})>"
 
 
-def _held_off_interrupts(release: Callable[[], None]) -> bool:
-    """Run ``release`` with SIGINT held off, so that a second press of the interrupt button
-    does not cut the release of an interrupted start short (leaving pods or a queued job);
-    a third press gets through. True if one came meanwhile."""
+def _held_off_interrupts(release: Callable[[], None], through_at: int = 2,
+                         escaped: str = "interrupted again while releasing the job: part of it may be left; "
+                                        "job_load(path).kill() or `%mesh stop NAME` releases it") -> bool:
+    """Run ``release`` with SIGINT held off, so that pressing the interrupt button while it
+    runs does not cut it short (leaving pods or a queued job); press number ``through_at``
+    gets through (a KeyboardInterrupt saying ``escaped``). True if one came meanwhile.
+
+    (A kernel's interrupt goes to its whole process group: the release's own commands,
+    scancel or ssh, run in sessions of their own so that it does not end them either.)"""
     import signal
     import threading
 
@@ -354,9 +378,8 @@ def _held_off_interrupts(release: Callable[[], None]) -> bool:
 
     def held(signum, frame):
         presses.append(signum)
-        if len(presses) >= 2:
-            raise KeyboardInterrupt("interrupted again while releasing the job: part of it may be left; "
-                                    "job_load(path).kill() or `%mesh stop NAME` releases it")
+        if len(presses) >= through_at:
+            raise KeyboardInterrupt(escaped)
 
     old = signal.signal(signal.SIGINT, held)
     try:

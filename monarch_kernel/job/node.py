@@ -27,13 +27,80 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-# The zygote (torch's import, the longest part of a node's start) begins first, before this
-# starter's imports and the agent's interpreter start; the agent gets its pipes. Not over
-# ssh (--detach): this process exits there, and the zygote dies with its parent.
-ZYGOTE = None
-if __name__ == "__main__" and "--detach" not in sys.argv:
-    ZYGOTE = subprocess.Popen([sys.executable, "-m", "monarch_kernel.node.zygote"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env={**os.environ, "MONARCH_KERNEL_AGENT_PID": str(os.getpid())})
+
+class _ForkedZygote:
+    """The zygote (torch's import, the longest part of a node's start), forked from this
+    starter as its very first act: it needs no interpreter of its own to start, and it
+    imports torch while this process parses its arguments and starts the agent, which
+    gets its pipes. The part of ``Popen`` this module uses."""
+
+    def __init__(self):
+        cmd_r, cmd_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()   # no thread runs yet: this module has imported only os, sys, time, subprocess
+        if pid == 0:
+            code = 1
+            try:
+                os.dup2(cmd_r, 0)
+                os.dup2(ev_w, 1)
+                for fd in (cmd_r, cmd_w, ev_r, ev_w):
+                    os.close(fd)
+                os.environ["MONARCH_KERNEL_AGENT_PID"] = str(parent)   # config.AGENT_PID: dies with us
+                sys.argv = sys.argv[:1]
+                _show_command_line([sys.executable, "-m", "monarch_kernel.node.zygote"])
+                import runpy
+
+                runpy.run_module("monarch_kernel.node.zygote", run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(cmd_r)
+        os.close(ev_w)
+        self.pid, self.returncode = pid, None
+        self.stdin, self.stdout = os.fdopen(cmd_w, "wb"), os.fdopen(ev_r, "rb")
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("zygote", timeout)
+            else:
+                time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, 9)
+
+
+def _show_command_line(argv: list[str]) -> None:
+    """Show ``argv`` as this process's command line (ps, pgrep -f, /proc/PID/cmdline), so
+    that the forked zygote and the procs it forks do not look like node starters. It
+    rewrites the process's own argument area, as setproctitle does; best effort."""
+    try:
+        import ctypes
+
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])   # arg_start and arg_end, stat fields 48 and 49
+        text = "\0".join(argv).encode()[:end - start - 1]
+        ctypes.memmove(start, text + b"\0" * (end - start - len(text)), end - start)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+# Not over ssh (--detach): this process exits there, and the zygote dies with its parent.
+ZYGOTE = _ForkedZygote() if __name__ == "__main__" and "--detach" not in sys.argv else None
 
 import argparse  # noqa: E402
 import signal  # noqa: E402

@@ -44,8 +44,11 @@ _NEVER = {"PartitionConfig", "PartitionNodeLimit", "BadConstraints", "InvalidAcc
 
 def _run(args: list[str], *, input: str | None = None, env: dict | None = None,
          timeout: float = 30.0) -> subprocess.CompletedProcess:
+    # In a session of its own: a kernel's interrupt goes to its whole process group, and
+    # must not end a scancel that kill() holds the interrupt off for (base.py).
     try:
-        return subprocess.run(args, input=input, capture_output=True, text=True, env=env, timeout=timeout)
+        return subprocess.run(args, input=input, capture_output=True, text=True, env=env, timeout=timeout,
+                              start_new_session=True)
     except FileNotFoundError:
         raise JobError(f"{args[0]} is not installed here: a SlurmJob runs where the Slurm client tools "
                        "(sbatch, squeue, scancel) are, e.g. a login node") from None
@@ -198,12 +201,16 @@ class SlurmJob(JobTrait):
         try:
             # sh holds the step and cancels the allocation once it ends; the key is in the
             # environment (as with sbatch), not on a command line
-            subprocess.Popen(["sh", "-c", 'j=$1; shift; srun "$@"; exec scancel --quiet "$j"', "sh", self.job_id,
-                              *srun[1:]], stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                             env=env, close_fds=True)
+            launcher = subprocess.Popen(["sh", "-c", 'j=$1; shift; srun "$@"; exec scancel --quiet "$j"', "sh",
+                                         self.job_id, *srun[1:]], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                        start_new_session=True, env=env, close_fds=True)
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
+        # Reaped when it ends (the lease, kill(), scancel from outside), not left a zombie of
+        # the kernel until its next subprocess call.
+        self._launcher = threading.Thread(target=launcher.wait, name=f"monarch-salloc-{self.job_id}", daemon=True)
+        self._launcher.start()
 
     def _wait_for_agents(self, rv: Rendezvous, total: int, progress: Progress, submitted: float) -> list[dict]:
         """Collect the nodes' reports as they come, while squeue (on a thread, so a slow
@@ -322,6 +329,9 @@ class SlurmJob(JobTrait):
                 time.sleep(0.2)
                 continue
             if st is None or st["state"] not in _RUNNING | _WAITING:
+                launcher = self.__dict__.pop("_launcher", None)
+                if launcher is not None:   # the step's srun ends with the job, then its sh
+                    launcher.join(max(0.0, deadline - time.monotonic()))
                 return
             time.sleep(0.05)
         raise JobError(f"slurm job {self.job_id} still {st['state'] if st else 'unknown to squeue'} 10 s after scancel")

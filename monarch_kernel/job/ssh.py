@@ -63,7 +63,10 @@ class SSHJob(JobTrait):
             args += ["-p", port]
         args += [dest, "--", shlex.join(command)]
         try:
-            return subprocess.run(args, input=input, capture_output=True, text=True, timeout=timeout)
+            # a session of its own: a kernel's interrupt (sent to its process group) must not end
+            # the ssh that kill() stops an agent with while it holds the interrupt off
+            return subprocess.run(args, input=input, capture_output=True, text=True, timeout=timeout,
+                                  start_new_session=True)
         except FileNotFoundError:
             raise JobError("ssh is not installed here: SSHJob runs the system ssh client") from None
         except subprocess.TimeoutExpired:

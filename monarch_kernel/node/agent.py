@@ -47,7 +47,7 @@ from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
 from monarch_kernel.core.messages import Ev, Rep, Req
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_alive, pid_space
-from monarch_kernel.core.transport import remove_ipc_files
+from monarch_kernel.core.transport import SAME_HOST_IPC, ipc_name, remove_ipc_files
 from monarch_kernel.node.fanout import FanRelay
 from monarch_kernel.telemetry.agent import AgentTelemetry
 
@@ -101,7 +101,13 @@ class HostAgent:
             # procs to, an address they can reach, never 0.0.0.0.
             self.bind_host = _reachable_ip()
             self.addr = self.addr.replace(f"//{a.bind}:", f"//{self.bind_host}:", 1)
-        self.keyring.accept("agent router", wire.dest_id(self.addr))   # requests name this port
+        # Its own procs reach it over ipc: no CURVE handshake per proc (a spawn of 256 spent
+        # ~0.1 s of the agent's CPU, and as much of the procs', in them; issue 11).
+        self.ipc_addr = ipc_name("agent") if SAME_HOST_IPC else ""
+        if self.ipc_addr:
+            self.router.bind(self.ipc_addr)
+        self.keyring.accept("agent router", wire.dest_id(self.addr),   # requests name this port
+                            *([wire.dest_id(self.ipc_addr)] if self.ipc_addr else []))
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.spawns: dict[str, dict] = {}        # spawn id -> {ident, req, keys}
@@ -284,7 +290,7 @@ class HostAgent:
         p = Proc(key, mesh_id, mesh_name, rank)
         self.procs[key] = p
         cfg = {"proc_key": key, "rank": rank, "mesh_id": mesh_id, "mesh_name": mesh_name,
-               "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr,
+               "labels": labels, "sizes": sizes, "key": self.key.hex(), "agent": self.addr, "agent_ipc": self.ipc_addr,
                "bind": self.bind_host, "host": self.host, "sink": sink, "local_index": local_index,
                "sync": self.sync_setup, **self.telemetry.proc_config(mesh_name, rank), **self.fanout.proc_config()}
         if self.zygote_ready:

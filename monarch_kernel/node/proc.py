@@ -114,7 +114,8 @@ class ProcWorker:
         self.rank = cfg["rank"]
         self.host = cfg["host"]
         self.mesh_name = cfg["mesh_name"]
-        self.agent = cfg["agent"]
+        self.agent = cfg["agent"]   # the agent's address: how the mesh names this proc's host
+        self.agent_link = cfg.get("agent_ipc") or self.agent   # how this proc talks to it (ipc on its host)
         self.gather = cfg.get("gather")   # the agent's gather inbox: replies of fanned calls (fanout.py)
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
@@ -172,14 +173,17 @@ class ProcWorker:
         if not self.output_limit.admit(text.count("\n") or 1):
             return   # in the log file only; the count goes with the next line or reply
         self._send_skipped(sink)
+        # messages.Output as a literal, in field order: plain values, so it takes the replies'
+        # lean path (one C pickle, signed in one pass), through the agent when the call was fanned.
+        msg = ("out", self.rank, stream, text)
         try:
             route = fanout.output_route(self.gather, self.busy_call, sink[0])
             if route is not None:
-                frames = self.rt.keyring.stamp(self.rt.pack(sink[1], Output.make(self.rank, stream, text)),
-                                               wire.dest_id(self.gather))
-                self.rt.send_frames(self.gather, [route, *frames])
+                if not self.rt.transport.send_plain_routed(self.gather, route, sink[1], msg):
+                    frames = self.rt.keyring.stamp(self.rt.pack(sink[1], msg), wire.dest_id(self.gather))
+                    self.rt.send_frames(self.gather, [route, *frames])
                 return
-            self.rt.send(sink[0], sink[1], Output.make(self.rank, stream, text))
+            self.rt.send_plain(sink[0], sink[1], msg)
         except zmq.ZMQError:
             pass
 
@@ -260,7 +264,7 @@ class ProcWorker:
     # ---------------------------------------------------------------- the main loop
     def serve(self) -> int:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
-        self.rt.agent_send(self.agent, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
+        self.rt.agent_send(self.agent_link, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
                            self.rt.curve_public)
         self.rt.serve_work_while_waiting(work, self._nested_work)

@@ -5,7 +5,10 @@ Chosen per transfer, in this order, unless MONARCH_KERNEL_RDMA_BACKEND names one
   * ``local``   the owner is this process: a memmove;
   * ``ibverbs`` an RDMA device is usable here and the owner registered the memory with one;
   * ``shm``     same kernel and pid namespace, a CPU buffer, process_vm_* permitted;
-  * ``tcp``     anything else (and CUDA owners: their server stages through host memory).
+  * ``cuda_ipc`` same host, a CUDA buffer whose GPU this process sees: mapped with CUDA IPC
+                and copied on the GPU (cuda_ipc.py);
+  * ``tcp``     anything else (and CUDA owners IPC cannot reach: their server stages through
+                host memory).
 """
 from __future__ import annotations
 
@@ -17,18 +20,27 @@ from typing import NamedTuple
 
 from monarch_kernel import config
 
-from . import ibverbs, shm, tcp
+from . import cuda_ipc, ibverbs, shm, tcp
 from . import owner as owner_mod
 
 ENV = config.RDMA_BACKEND.env
-NAMES = ("ibverbs", "shm", "tcp")
+NAMES = ("ibverbs", "shm", "tcp", "cuda_ipc")
 
 
 class Dropped(Exception):
     """The buffer's generation no longer matches: its owner dropped it."""
 
 
-def choose(o: owner_mod.OwnerInfo, device: str, verbs) -> str:
+def forced() -> str:
+    """The backend MONARCH_KERNEL_RDMA_BACKEND names ("auto" when none)."""
+    return config.RDMA_BACKEND.get().lower()
+
+
+def _ipc_reaches(o: owner_mod.OwnerInfo, same_host: bool, ipc) -> bool:
+    return same_host and ipc is not None and o.pid != os.getpid() and cuda_ipc.local_index(ipc[0]) is not None
+
+
+def choose(o: owner_mod.OwnerInfo, device: str, verbs, ipc=None) -> str:
     want = config.RDMA_BACKEND.get().lower()
     same_host = o.host_id == shm.host_id()
     cpu = device == "cpu"
@@ -43,7 +55,16 @@ def choose(o: owner_mod.OwnerInfo, device: str, verbs) -> str:
             return "ibverbs"
         if same_host and cpu and shm.permitted()[0]:
             return "shm"
+        if not cpu and _ipc_reaches(o, same_host, ipc):
+            return "cuda_ipc"
         return "tcp"
+    if want == "cuda_ipc" and (cpu or not _ipc_reaches(o, same_host, ipc)):
+        from .buffer import RDMAError
+
+        why = ("the buffer is in host memory (use shm)" if cpu else "the owner is on another host"
+               if not same_host else "this process cannot map the owner's GPU memory "
+               f"({cuda_ipc.available()[1]})")
+        raise RDMAError(f"{ENV}=cuda_ipc but {why}; unset {ENV} or use tcp")
     if want == "shm" and not (same_host and cpu and shm.permitted()[0]):
         from .buffer import RDMAError
 
@@ -126,10 +147,10 @@ class BackendReport(NamedTuple):
 def get_rdma_backend() -> BackendReport:
     """Which data paths work in this process (ibverbs needs an RDMA device)."""
     usable = {"ibverbs": ibverbs.available(), "shm": shm.permitted(),
-              "tcp": (True, "a data socket per owner process, chunked")}
+              "tcp": (True, "a data socket per owner process, chunked"), "cuda_ipc": cuda_ipc.available()}
     want = config.RDMA_BACKEND.get().lower()
     if want in NAMES:
         default = want
     else:
-        default = next(n for n in NAMES if usable[n][0])
+        default = next(n for n in NAMES[:3] if usable[n][0])
     return BackendReport(default, usable)

@@ -13,6 +13,7 @@ caller's event loop or I/O thread. The backend is chosen per transfer (see backe
 from __future__ import annotations
 
 import html
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from monarch_kernel.core.errors import MonarchError
 from monarch_kernel.core.future import Future
 
-from . import backends, shm, tcp
+from . import backends, cuda_ipc, shm, tcp
 from . import owner as owner_mod
+
+log = logging.getLogger(__name__)
 
 
 class RDMAError(MonarchError):
@@ -93,7 +96,7 @@ class RDMABuffer:
     """
 
     __slots__ = ("_owner", "_slot", "_gen", "_token", "_nbytes", "_dtype", "_device", "_verbs",
-                 "_addr", "_dropped")
+                 "_addr", "_dropped", "_ipc")
 
     def __init__(self, data):
         keep, view, addr, nbytes, dtype, device = _describe(data, False, "RDMABuffer")
@@ -105,12 +108,13 @@ class RDMABuffer:
         self._owner, self._slot, self._gen, self._token = reg.info, e.slot, e.gen, e.token
         self._nbytes, self._dtype, self._device, self._addr = nbytes, dtype, device, addr
         self._verbs = backends.register_verbs(addr, nbytes, device)
+        self._ipc = cuda_ipc.export(keep) if device != "cpu" else None
         self._dropped = False
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
         return (_rebuild, (self._owner, self._slot, self._gen, self._token, self._nbytes,
-                           self._dtype, self._device, self._verbs, self._addr))
+                           self._dtype, self._device, self._verbs, self._addr, self._ipc))
 
     # ------------------------------------------------------------------ facts
     def size(self) -> int:
@@ -133,7 +137,7 @@ class RDMABuffer:
     @property
     def backend(self) -> str:
         """The backend a transfer from this process would use now."""
-        return backends.choose(self._owner, self._device, self._verbs)
+        return backends.choose(self._owner, self._device, self._verbs, self._ipc)
 
     # ------------------------------------------------------------------ transfers
     def read_into(self, dst, timeout: float | None = 60.0) -> Future[int]:
@@ -173,12 +177,21 @@ class RDMABuffer:
         if dead:
             raise dead
         staged = None
+        kind = backends.choose(o, self._device, self._verbs, self._ipc)
+        if kind == "cuda_ipc":
+            try:
+                torch = __import__("torch")   # a CUDA owner: torch is loaded (the handle needed it)
+                return self._ipc_transfer(keep if isinstance(keep, torch.Tensor) else view, write)
+            except cuda_ipc.IpcError as e:
+                if backends.forced() == "cuda_ipc":
+                    raise RDMAError(f"{backends.ENV}=cuda_ipc but {e}; unset it or use tcp") from None
+                log.info("RDMA: CUDA IPC to %s failed (%s); using tcp", _who(o), e)
+                kind = "tcp"
         if device != "cpu":   # a CUDA tensor on our side: go through host memory
             staged = keep.detach().reshape(-1).cpu() if write else keep.new_empty(
                 keep.numel(), device="cpu")
             view = memoryview(staged.view(-1).view(__import__("torch").uint8).numpy())
             addr = staged.data_ptr()
-        kind = backends.choose(o, self._device, self._verbs)
         try:
             try:
                 backends.run(kind, self, view, addr, write, deadline)
@@ -207,6 +220,20 @@ class RDMABuffer:
                 f"the transfer failed ({_who(o)}, over {kind}): {e!r}") from None
         if staged is not None and not write:
             keep.copy_(staged.view(keep.shape))
+
+    def _ipc_transfer(self, local, write: bool) -> None:
+        o, key = self._owner, (self._owner.pid, self._slot, self._gen)
+        try:
+            with backends.slot_locked(o, self._slot, self._gen):
+                cuda_ipc.transfer(self._ipc, key, self._nbytes, local, write)
+        except backends.Dropped:
+            cuda_ipc.forget(key)
+            raise RDMAError(f"the buffer was dropped by its owner ({_who(o)}); ask the owner for a "
+                            "new one") from None
+        except (shm.OwnerGone, FileNotFoundError, ProcessLookupError) as e:
+            cuda_ipc.forget(key)
+            raise _dead_error(o, wait=1.0) or RDMAError(f"the transfer failed ({_who(o)}, over "
+                                                        f"cuda_ipc): {e!r}") from None
 
     def drop(self) -> None:
         """Unregister the memory: later transfers through any copy of this handle fail.
@@ -241,8 +268,9 @@ class RDMABuffer:
         return f"<table><caption style='text-align:left'><b>RDMABuffer</b></caption>{rows}</table>"
 
 
-def _rebuild(owner, slot, gen, token, nbytes, dtype, device, verbs, addr):
+def _rebuild(owner, slot, gen, token, nbytes, dtype, device, verbs, addr, ipc=None):
     b = object.__new__(RDMABuffer)
+    b._ipc = ipc
     b._addr = addr
     b._owner, b._slot, b._gen, b._token = owner, slot, gen, token
     b._nbytes, b._dtype, b._device, b._verbs = nbytes, dtype, device, verbs

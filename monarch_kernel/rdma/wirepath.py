@@ -21,7 +21,7 @@ import weakref
 
 from monarch_kernel import config
 
-from . import backends, shm, tcp
+from . import backends, cuda_ipc, shm, tcp
 from . import owner as owner_mod
 
 _HUGE = 2 << 20
@@ -29,6 +29,8 @@ _HUGE = 2 << 20
 
 def reduce_local(tensor, receivers: int):
     """The pickle reduction for a large same-host tensor (None: use the socket path)."""
+    if tensor.device.type == "cuda":
+        return _reduce_local_cuda(tensor, receivers)
     if not shm.permitted()[0] or not tensor.is_contiguous():
         return None
     import torch
@@ -61,6 +63,52 @@ def _pull(o, slot, gen, token, addr, nbytes, dtype, shape, requires_grad):
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+def _reduce_local_cuda(tensor, receivers: int):
+    """A large CUDA tensor for receivers on this host: pinned like a CPU one, exported with
+    CUDA IPC; a receiver that sees the GPU copies it on the GPU, any other pulls it over
+    the sender's data socket (which stages it through host memory)."""
+    ipc = cuda_ipc.export(tensor)
+    if ipc is None or not tensor.is_contiguous():
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    reg = owner_mod.registry()
+    e = reg.add(tensor, None, tensor.data_ptr(), nbytes, "uint8", str(tensor.device), True)
+    reg.pin(e, receivers, config.PIN_TTL_S.get())
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return _pull_cuda, (reg.info, e.slot, e.gen, e.token, ipc, tensor.device.index or 0, nbytes, dtype,
+                        tuple(tensor.shape), bool(tensor.requires_grad))
+
+
+def _pull_cuda(o, slot, gen, token, ipc, index, nbytes, dtype, shape, requires_grad):
+    """Lands on ``cuda:index`` as torch's own unpickling would (the CPU where this process
+    has no such device)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    cuda = torch.cuda.is_available() and index < torch.cuda.device_count()
+    try:
+        if cuda and cuda_ipc.local_index(ipc[0]) is not None:
+            out = torch.empty(shape, dtype=dt, device=f"cuda:{index}")
+            try:
+                with backends.slot_locked(o, slot, gen):
+                    cuda_ipc.transfer(ipc, (o.pid, slot, gen), nbytes, out, False)
+                return out.requires_grad_(True) if requires_grad else out
+            except cuda_ipc.IpcError:
+                pass   # below, over the socket
+            finally:
+                cuda_ipc.forget((o.pid, slot, gen))   # a pin is read once: do not keep it mapped
+        host = torch.empty(shape, dtype=dt)
+        view = memoryview(host.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+        tcp.transfer(o, slot, gen, token, view, False, None)
+        out = host.to(f"cuda:{index}") if cuda else host
+        return out.requires_grad_(True) if requires_grad else out
+    finally:
+        try:
+            tcp.release(o, slot, gen, token)
+        except OSError:
+            pass   # the sender is gone; its pins went with it
 
 
 def _empty(nbytes: int):

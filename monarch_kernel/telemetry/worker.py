@@ -53,7 +53,7 @@ class ProcTelemetry:
         the proc is doing now (its state, actors, debugger and buffers: the Mesh panel's)."""
         w = self.worker
         status = {"state": w.state, "actors": sorted({s.name for s in w.actors.values()}), **w.query_extra()}
-        w.rt.agent_send(w.agent, w.key, "tel_calls", _drain(self.calls), _drain(self.cells), w.proc_key, status)
+        w.rt.agent_send(w.agent_link, w.key, "tel_calls", _drain(self.calls), _drain(self.cells), w.proc_key, status)
 
 
 def _drain(d: collections.deque) -> list:

@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-prof-"))
@@ -57,12 +58,14 @@ def tasks_cpu(pid: int) -> tuple[int, int]:
 
 
 def threads_cpu(pid: int) -> dict[str, int]:
-    """CPU ns of each thread of ``pid`` by name (the controller: main, monarch-io, ZMQbg...)."""
+    """CPU ns of each thread of ``pid`` by name (the controller: MainThread, monarch-io,
+    ZMQbg/IO/0; Python's names for this process's own threads, else the kernel's)."""
     out: dict[str, int] = {}
+    names = {t.native_id: t.name for t in threading.enumerate()} if pid == os.getpid() else {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
+                name = names.get(int(tid)) or f.read().strip()
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 out[name] = out.get(name, 0) + int(f.read().split()[0])
         except OSError:

@@ -153,8 +153,9 @@ def main() -> None:
                 for _ in range(5):
                     actors.noop.call().get()
                 lat = []
-                t0 = threads_cpu(os.getpid())
-                s0, c0, w0 = snapshot(r), time.process_time(), time.perf_counter()
+                s0 = snapshot(r)
+                t0 = threads_cpu(os.getpid())   # (after the snapshot: its reading is not the controller's work)
+                c0, w0 = time.process_time(), time.perf_counter()
                 for _ in range(a.calls):
                     t = time.perf_counter()
                     actors.noop.call().get()

@@ -6,8 +6,10 @@ agents: one signed send to the agent's fan inbox, which signs it for each of its
 procs (every message is bound to its receiving socket, wire.py) and pushes it over ipc
 (node/fanout.py). Their replies, and the output they write
 meanwhile, come back in one batch per host (``"rb"``): one signature checked here for the
-batch (the agent checked each proc's), and only the values unpickled. Smaller sends and
-point-to-point calls (``call_one``, a slice), keep the one hop.
+batch (the agent checked each proc's), and only the values unpickled; members that
+answered alike come as one summary per value (node/fantree.py ``summarise``), marked
+answered from each host's place in the call, kept at send (``Calls.set_parts``). Smaller
+sends and point-to-point calls (``call_one``, a slice), keep the one hop.
 
 ``MONARCH_KERNEL_FANOUT_MIN`` (default 32): members in one send before it goes through the
 agents (every host of it, however few of them it holds: 32 hosts x 8 GPUs is 32 sends, not

@@ -9,7 +9,9 @@ Every thread that touches the runtime, and what it may do:
   * **user threads** (the main thread, a notebook's kernel thread, any thread the user
     starts): send (transport.py: a PUSH socket per thread and destination) and wait.
     A thread blocked in ``Future.get`` reads the inbox itself (``wait_for``, leader /
-    follower below), so its reply wakes it directly instead of through a second thread.
+    follower below), so its reply wakes it directly instead of through a second thread;
+    but on a fanned call (replies in milliseconds, in a host's batch) it leaves the inbox
+    to the I/O thread and is woken once (``wait_long``).
     Work for the agent links is handed to the I/O thread with ``call_in_io`` (a queue
     and a byte on a wake pipe).
   * **a proc's main thread** (node/proc.py) runs user code; waiting inside an endpoint it

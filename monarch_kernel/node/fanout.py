@@ -15,7 +15,9 @@ own, so the agent checks the proc's signature and replay stamp and reads the sma
 without ever unpickling a user's object (its class may not even import here). The agent
 holds the items per destination and sends one signed batch ``("rb", items, buffers)``
 when every member of a call on this host has answered, or ``MONARCH_KERNEL_FANIN_FLUSH_S``
-(2 ms) after the first one waiting (output, slow members). The controller checks one
+(2 ms) after the first one waiting when it holds output (slow members), ``REPLIES_WAIT_S``
+(0.1 s) when it holds replies only. Members that answered alike go up as one summary per
+value, not a key each (node/fantree.py ``summarise``). The controller checks one
 signature per batch and unpickles only the values: per member a few microseconds instead
 of a receive, a MAC check and a full message. A proc's output and reply leave on the same socket, in order,
 and the agent keeps that order in the batch. Before a proc's death is reported, what it

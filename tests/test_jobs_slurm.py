@@ -393,3 +393,27 @@ def test_salloc_launcher_is_reaped_when_its_step_ends_at_the_lease(cluster):
     finally:
         job.kill()
     assert cluster.queue() == []
+
+
+def test_salloc_allocation_is_released_when_the_kernels_machine_shuts_down(cluster):
+    """A shutdown of the machine the kernel runs on sends every process SIGTERM: srun then
+    cancels the step and Slurm kills the agents at once, before any node's starter can
+    cancel the allocation. The launcher's sh outlives that SIGTERM and cancels it, so the
+    interactive allocation is not left running without a step until its time limit."""
+    import signal
+
+    job = SlurmJob(meshes={"hosts": 2}, allocation="salloc", name="salloc-shutdown")
+    try:
+        job.state(cached_path=None)
+        job_id = job.job_id
+        launcher, sruns = _launcher_of(job_id), [int(line.split()[0]) for line in _our_sruns(job_id)]
+        job.disconnect()
+        for pid in [launcher, *sruns]:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while cluster.queue() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.queue() == [], "the allocation outlived its step"
+    finally:
+        job.kill()
+    assert cluster.queue() == []

@@ -95,3 +95,19 @@ def _can_collapse() -> bool:
             return "[never]" not in f.read()
     except OSError:
         return False
+
+
+def test_a_proc_that_lives_while_the_zygote_idles_keeps_sharing_its_memory():
+    """The zygote makes its huge pages only while none of its procs lives: a proc forked
+    before would otherwise be left the sole owner of every page it shared (a lone proc's
+    own memory went from 6 to ~125 MB a few seconds after it started)."""
+    host = this_host()
+    try:
+        procs = host.spawn_procs(per_host={"gpus": 1}, name="lone")   # at once: the zygote has just started
+        ranks = procs.spawn("mem", Memory)
+        time.sleep(8)   # the zygote idles (it would have collapsed its memory by now)
+        before, after = ranks.own_mb_after_a_full_collection.call_one().get(60)
+        assert before < 30, f"a lone proc owns {before:.0f} MB of memory it should share with the zygote"
+        procs.stop()
+    finally:
+        host.shutdown()

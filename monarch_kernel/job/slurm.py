@@ -200,8 +200,11 @@ class SlurmJob(JobTrait):
                 "--input=none", *self._node_command(rv.address, token), "--scancel-at-end"]
         try:
             # sh holds the step and cancels the allocation once it ends; the key is in the
-            # environment (as with sbatch), not on a command line
-            launcher = subprocess.Popen(["sh", "-c", 'j=$1; shift; srun "$@"; exec scancel --quiet "$j"', "sh",
+            # environment (as with sbatch), not on a command line. It ignores SIGTERM and SIGHUP:
+            # when this machine shuts down, srun cancels the step on its SIGTERM and Slurm kills
+            # the agents before a node can cancel the allocation; the sh must live to do it.
+            launcher = subprocess.Popen(["sh", "-c", 'trap "" TERM HUP; j=$1; shift; srun "$@"; '
+                                         'exec scancel --quiet "$j"', "sh",
                                          self.job_id, *srun[1:]], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                         start_new_session=True, env=env, close_fds=True)
         finally:

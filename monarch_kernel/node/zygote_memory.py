@@ -6,6 +6,11 @@ to copy and write-protect per fork: ~6 ms a fork on our 2-core VM, serial in the
 1.5 s of a spawn of 256 procs. Collapsed into 2 MB pages (``MADV_COLLAPSE``, Linux 6.1+)
 the same memory is ~65 entries, and a fork takes ~1.3 ms.
 
+The zygote collapses only while none of its procs lives (zygote.py): a chunk a child
+still shares would be copied into the new huge page and the child left the sole owner of
+the old pages (memory counted twice). So the work happens while the zygote idles before its
+first spawn, or before a big first batch of forks, or once its procs have all exited.
+
 What it does not change: a child that writes into a shared huge page gets that 4 KB page
 copied, as before (the kernel splits the shared 2 MB mapping first), so memory per proc
 stays what it was; and no region is marked ``MADV_HUGEPAGE``, so memory a proc (or the

@@ -281,3 +281,32 @@ def test_replies_that_trickle_in_without_output_come_back_as_one_batch(members, 
     assert ones >= 2, batches
     del batches[:]
     assert members.say.call(9).get(30).values() == [90 + r for r in range(8)]   # output: as before
+
+
+def test_a_summary_marks_exactly_its_hosts_members_adjacent_or_interleaved():
+    """The controller's half of a summary: each host's members are found from what it kept
+    at send (a start where they sit together in the call, else their keys); a member already
+    answered (dead) keeps its first answer; an unknown host's summary is dropped, not guessed."""
+    from monarch_kernel.core.calls import Calls
+    from monarch_kernel.core.errors import MeshFailure
+    from monarch_kernel.core.shape import Extent
+
+    calls = Calls(lambda fut, timeout: None, lambda: None)
+    keys = [f"p{i}" for i in range(24)]
+    a, b, c = keys[0:16:2], keys[1:16:2], keys[16:]      # a and b interleaved, c together
+    cid, p = calls.new_call(keys, Extent(("ranks",), (24,)), "mesh", "mixed")
+    calls.set_parts(cid, [(-1, a), (-1, b), (16, c), (3, ["p9"])])   # a wrong start: kept as keys
+    assert p.parts["p16"] == 16 and p.parts["p0"] == a and p.parts["p9"] == ["p9"]
+    calls.proc_failed("p3", MeshFailure("m", 3, "h", None, "killed", "p3"))   # b's second member
+    calls.on_summary(cid, "p0", b"\x01" * 8, True, 7)
+    calls.on_summary(cid, "p1", b"\x01" * 8, True, None)                   # p3 keeps its death
+    calls.on_summary(cid, "nobody", b"\x01", True, 1)                      # not a host of this call
+    calls.on_summary(cid, "p16", b"\x01\x00" * 4, True, "x")
+    assert p.remaining == 4 and p.future.done()   # (failed at once by the death; the rest recorded)
+    calls.on_summary(cid, "p16", b"\x00\x01" * 4, True, "y")
+    assert calls.pending_count() == 0 and bytes(p.answered) == b"\x01" * 24
+    assert [p.results[i] for i in range(0, 16, 2)] == [7] * 8
+    assert [p.results[i] for i in (1, 5, 7, 9, 11, 13, 15)] == [None] * 7 and "killed" in str(p.results[3])
+    assert p.results[16:] == ["x", "y"] * 4
+    with pytest.raises(SupervisionError, match="rank 3"):
+        p.future.get(0)

@@ -63,6 +63,7 @@ class _ForkedZygote:
                 os._exit(code)
         os.close(cmd_r)
         os.close(ev_w)
+        self.started = time.time()   # reported: its imports begin now
         self.pid, self.returncode = pid, None
         self.stdin, self.stdout = os.fdopen(cmd_w, "wb"), os.fdopen(ev_r, "rb")
 
@@ -194,6 +195,8 @@ def main(argv=None) -> int:
         return 1
     report.update(addr=line[len(READY):], pid=agent.pid, t={"node_started": STARTED, "agent_ready": time.time(),
                                                            **_batch_started(a.batch_started)})
+    if ZYGOTE is not None:
+        report["t"]["zygote_started"] = ZYGOTE.started
     reporter.send(key, report)
     if a.detach:
         agent.stdout.close()

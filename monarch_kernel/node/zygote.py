@@ -17,12 +17,13 @@ import time
 from monarch_kernel import config
 from monarch_kernel.node.zygote_memory import HugePages, freeze_objects
 
-# A read of this many fork commands at once (a big spawn) waits for the huge pages first:
-# ~0.3 s once, then ~4 ms less per fork (zygote_memory.py); fewer fork between the steps.
+# The first fork of a spawn of this many procs on this host waits for the huge pages first:
+# 0.25-0.75 s once (load), then ~4 ms less per fork (zygote_memory.py): about even at 50-60
+# forks. A smaller spawn forks at once.
 # Memory is collapsed only while no proc of ours lives: a page a child still shares would be
 # copied into the huge page, and the child left sole owner of the old one (a lone proc's
 # USS went 6 -> 125 MB, the host's memory +130 MB).
-FORKS_WORTH_WAITING = 8
+FORKS_WORTH_WAITING = 48
 
 
 def _preload() -> float:
@@ -84,13 +85,14 @@ def main() -> None:
             if not chunk:
                 return  # the agent is gone
             buf += chunk
-            if huge is not None and not huge.done and not live and buf.count(b'"fork"') >= FORKS_WORTH_WAITING:
-                huge.finish()
-                _said_huge(huge)
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 cmd = json.loads(line)
                 if cmd["op"] == "fork":
+                    if huge is not None and not huge.done and not live and \
+                            _procs_here(cmd["cfg"]) >= FORKS_WORTH_WAITING:
+                        huge.finish()   # the first fork of a big spawn: the rest are cheaper
+                        _said_huge(huge)
                     pid = os.fork()
                     if pid == 0:
                         _child(cmd["cfg"], me, out, sig_r, sig_w)
@@ -99,6 +101,17 @@ def main() -> None:
                 elif cmd["op"] == "exit":
                     return
         _reap(out, live)
+
+
+def _procs_here(cfg: dict) -> int:
+    """How many procs the spawn this fork belongs to puts on this host: its mesh's sizes,
+    less the hosts dimension (1 when the config does not say: a respawn)."""
+    sizes, labels = cfg.get("sizes") or (), cfg.get("labels") or ()
+    n = 1
+    for label, size in zip(labels, sizes):
+        if label != "hosts" and isinstance(size, int):
+            n *= size
+    return n
 
 
 def _said_huge(huge: HugePages) -> None:

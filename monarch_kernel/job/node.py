@@ -39,28 +39,18 @@ class _ForkedZygote:
         ev_r, ev_w = os.pipe()
         parent = os.getpid()
         pid = os.fork()   # no thread runs yet: this module has imported only os, sys, time, subprocess
-        if pid == 0:
-            code = 1
-            try:
-                os.dup2(cmd_r, 0)
-                os.dup2(ev_w, 1)
-                for fd in (cmd_r, cmd_w, ev_r, ev_w):
-                    os.close(fd)
-                os.environ["MONARCH_KERNEL_AGENT_PID"] = str(parent)   # config.AGENT_PID: dies with us
-                sys.argv = sys.argv[:1]
-                _show_command_line([sys.executable, "-m", "monarch_kernel.node.zygote"])
-                import runpy
+        if pid == 0:   # the zygote: it runs, and exits, as `python -m monarch_kernel.node.zygote`
+            os.dup2(cmd_r, 0)   # would (an exception or SystemExit ends this interpreter as there,
+            os.dup2(ev_w, 1)    # atexit handlers included: nothing below catches it)
+            for fd in (cmd_r, cmd_w, ev_r, ev_w):
+                os.close(fd)
+            os.environ["MONARCH_KERNEL_AGENT_PID"] = str(parent)   # config.AGENT_PID: dies with us
+            sys.argv = sys.argv[:1]
+            _show_command_line([sys.executable, "-m", "monarch_kernel.node.zygote"])
+            import runpy
 
-                runpy.run_module("monarch_kernel.node.zygote", run_name="__main__", alter_sys=True)
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                os._exit(code)
+            runpy.run_module("monarch_kernel.node.zygote", run_name="__main__", alter_sys=True)
+            sys.exit(0)
         os.close(cmd_r)
         os.close(ev_w)
         self.started = time.time()   # reported: its imports begin now

@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-prof-"))
@@ -54,6 +55,22 @@ def tasks_cpu(pid: int) -> tuple[int, int]:
         except OSError:
             pass
     return ns, cs
+
+
+def threads_cpu(pid: int) -> dict[str, int]:
+    """CPU ns of each thread of ``pid`` by name (the controller: MainThread, monarch-io,
+    ZMQbg/IO/0; Python's names for this process's own threads, else the kernel's)."""
+    out: dict[str, int] = {}
+    names = {t.native_id: t.name for t in threading.enumerate()} if pid == os.getpid() else {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = names.get(int(tid)) or f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[name] = out.get(name, 0) + int(f.read().split()[0])
+        except OSError:
+            pass
+    return out
 
 
 def roles() -> dict[str, list[int]]:
@@ -136,20 +153,25 @@ def main() -> None:
                 for _ in range(5):
                     actors.noop.call().get()
                 lat = []
-                s0, c0, w0 = snapshot(r), time.process_time(), time.perf_counter()
+                s0 = snapshot(r)
+                t0 = threads_cpu(os.getpid())   # (after the snapshot: its reading is not the controller's work)
+                c0, w0 = time.process_time(), time.perf_counter()
                 for _ in range(a.calls):
                     t = time.perf_counter()
                     actors.noop.call().get()
                     lat.append(time.perf_counter() - t)
                 wall = time.perf_counter() - w0
                 c1 = time.process_time()
+                t1 = threads_cpu(os.getpid())
+                by_thread = {k: round((v - t0.get(k, 0)) / a.calls / 1e3, 1) for k, v in t1.items()
+                             if v - t0.get(k, 0) > 0}
                 d = diff(s0, snapshot(r), a.calls)
                 lat.sort()
                 emit(what="per_call", mode=mode, round=rnd, n=a.n, p50_ms=round(lat[len(lat) // 2] * 1e3, 2),
                      mean_ms=round(wall / a.calls * 1e3, 2),
                      controller_process_time_ms=round((c1 - c0) / a.calls * 1e3, 3),
                      floor_ms_on_cores=round(d["total_cpu_us"] / 1e3 / os.cpu_count(), 2),
-                     load=round(os.getloadavg()[0], 1), **d)
+                     load=round(os.getloadavg()[0], 1), controller_threads_us=by_thread, **d)
         procs.stop()
     finally:
         host.shutdown()

@@ -124,6 +124,30 @@ def test_runs_of_none_replies_values_and_errors_are_recorded_per_member(chain):
     assert members.say.choose(2).get(30) in {20 + r for r in range(6)}
 
 
+def test_each_host_summarises_its_members_and_the_relays_pass_that_up_unopened(chain, monkeypatch):
+    """A call answered alike comes back as one summary a host (named by its first member's
+    key), through two relays: the controller reads no key per member, and marks each host's
+    members answered exactly."""
+    from monarch_kernel.core import fanout
+
+    members, _ = chain
+    items: list = []
+    real = fanout._on_batch
+    monkeypatch.setattr(fanout, "_on_batch", lambda rt, msg, resent=False: (items.extend(msg[1]),
+                                                                           real(rt, msg, resent))[1])
+    keys = [r.key for r in members._state.proc_state.procs]
+    assert members.nothing.call().get(30).values() == [None] * 6
+    assert {it[0] for it in items} == {"ra"}, items
+    assert {it[2] for it in items} == {keys[0], keys[2], keys[4]}
+    assert sum(it[3].count(1) for it in items) == 6
+    del items[:]
+    with pytest.raises(ActorError, match="rank 4 refuses") as e:   # C's error, up two relays
+        members.maybe.call(4).get(30)
+    got = e.value.results.values()
+    assert [got[r] for r in (0, 1, 2, 3, 5)] == [0, None, 2, None, None] and isinstance(got[4], ActorError)
+    assert {it[2] for it in items if it[0] == "ra"} == {keys[0], keys[2]}   # A, B: summaries; C: by key
+
+
 def test_a_relay_killed_mid_call_fails_only_its_ranks_and_its_subtree_still_answers(chain):
     members, (a, b, c) = chain
     rt = runtime()

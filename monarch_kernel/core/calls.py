@@ -12,7 +12,7 @@ import collections
 import itertools
 import logging
 import threading
-from itertools import repeat
+from itertools import compress, repeat
 from operator import sub
 from typing import Callable
 
@@ -28,12 +28,12 @@ class PendingCall:
     'stream' -> items pushed to ``queue`` as they arrive."""
 
     __slots__ = ("future", "keys", "index", "results", "failed", "remaining", "extent", "mode",
-                 "queue", "what", "answered", "counted")
+                 "queue", "what", "answered", "counted", "parts")
 
-    def __init__(self, keys: list[str], extent, mode: str, what: str):
+    def __init__(self, keys: list[str], extent, mode: str, what: str, index: dict | None = None):
         self.future = Future(what)
         self.keys = keys
-        self.index = dict(zip(keys, range(len(keys))))
+        self.index = dict(zip(keys, range(len(keys)))) if index is None else index   # read only
         self.results = [None] * len(keys)
         self.answered = bytearray(len(keys))   # 1 where that member replied (a value may be None)
         self.failed: list[int] = []
@@ -43,6 +43,7 @@ class PendingCall:
         self.queue = None
         self.what = what
         self.counted = True   # in Calls.outstanding's counter (a big call is counted on demand)
+        self.parts: dict | None = None   # a fanned call: each host's first key -> its members' places
         if mode == "stream":
             import queue
 
@@ -135,6 +136,36 @@ class PendingCall:
         if not done:
             self._finish()
         return True
+
+    def deliver_mask(self, part, mask: bytes, ok: bool, value, values: list | None = None) -> bool:
+        """Replies of one host's members, all ``value`` (a fan-in summary, node/fantree.py):
+        ``part`` is that host's first place in ``keys`` (its members adjacent) or its keys,
+        ``mask`` a byte per member of it, 1 where it answered. The usual case (adjacent,
+        none answered yet, a plain value shared by all) is a few C-level steps for any
+        number of members; ``values`` (one per answer: not plain, so not shared) and the
+        rest go through ``deliver_many``. True once every member has answered."""
+        n = len(mask)
+        if type(part) is int:
+            stop = part + n
+            answered = self.answered
+            seen, got = int.from_bytes(answered[part:stop], "little"), int.from_bytes(mask, "little")
+            if ok and values is None and stop <= len(answered) and not seen & got:
+                answered[part:stop] = (seen | got).to_bytes(n, "little")
+                count = mask.count(1)
+                if value is not None:
+                    list(map(self.results.__setitem__, compress(range(part, stop), mask), repeat(value, count)))
+                self.remaining -= count
+                done = self.future.done()
+                if self.queue is not None and not done:
+                    for _ in range(count):
+                        self.queue.put((True, value))
+                if self.remaining > 0:
+                    return False
+                if not done:
+                    self._finish()
+                return True
+            part = self.keys[part:stop]
+        return self.deliver_many(list(zip(repeat(0), compress(part, mask), repeat(ok), values or repeat(value))))
 
     def _finish(self):
         if self.mode == "one":
@@ -229,9 +260,12 @@ class Calls:
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
         self._waiter = waiter            # Future.get waits through it (Inbox.wait_for)
+        # ... and a fanned call's through Inbox.wait_long (its replies take milliseconds).
+        self._long_waiter = getattr(getattr(waiter, "__self__", None), "wait_long", waiter)
         self._wake_reader = wake_reader  # a thread blocked on the inbox must re-check its future
         self.outstanding = Outstanding(self)
         self._big: dict[int, PendingCall] = {}   # calls of BIG members or more: not in the counter
+        self._indexes: dict[tuple, tuple] = {}   # recent big calls' members -> their index (shared)
         self.dead: dict[str, SupervisionError] = {}
         self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
         self.replied_before_death: dict[str, set] = {}   # proc -> calls whose reply is on its way
@@ -240,7 +274,16 @@ class Calls:
 
     def new_call(self, keys: list[str], extent, mode: str, what: str) -> tuple[int, PendingCall]:
         call_id = next(self._ids)
-        p = PendingCall(keys, extent, mode, what)
+        index = None
+        if len(keys) >= BIG:   # the same members as a recent call: share its index (256: ~25 µs to build)
+            known = self._indexes.get((len(keys), keys[0], keys[-1]))
+            if known is not None and known[0] == keys:
+                index = known[1]
+        p = PendingCall(keys, extent, mode, what, index)
+        if index is None and len(keys) >= BIG:
+            if len(self._indexes) >= 64:
+                self._indexes.clear()
+            self._indexes[(len(keys), keys[0], keys[-1])] = (keys, p.index)
         p.future.set_waiter(self._waiter)
         self._pending[call_id] = p
         if len(keys) >= BIG:
@@ -344,6 +387,44 @@ class Calls:
             dict.update(out, zip(keys, map(sub, map(out.__getitem__, keys), repeat(1))))
         if p.deliver_none_run(keys):
             self._pending.pop(call_id, None)
+
+    def set_parts(self, call_id: int, hosts: list) -> None:
+        """A fanned call's hosts, ``[(their first place in the call or -1, their keys)]``: kept
+        per first key as the place (where the keys are there, adjacent) or the keys, for the
+        hosts' summaries (``on_summary``)."""
+        p = self._pending.get(call_id)
+        if p is None or type(p) is not PendingCall:
+            return
+        keys = p.keys
+        p.parts = {ks[0]: at if at >= 0 and keys[at:at + len(ks)] == ks else ks for at, ks in hosts}
+        p.future.set_waiter(self._long_waiter)
+
+    def on_summary(self, call_id: int, first: str, mask: bytes, ok: bool, value, values=None) -> None:
+        """One host's members of a call answered ``value`` (or ``values``, one each), where
+        ``mask`` says (core/fanout.py, node/fantree.py ``summarise``)."""
+        p = self._pending.get(call_id)
+        if p is None:
+            return
+        part = p.parts.get(first) if type(p) is PendingCall and p.parts else None
+        if part is None:
+            log.error("a summary of replies to %s from the host of %s, which it was not sent to: dropped",
+                      p.what, first)
+            return
+        if p.counted:   # (small calls only: a big call is counted on demand)
+            out = self.outstanding.counter
+            for k in compress(p.keys[part:part + len(mask)] if type(part) is int else part, mask):
+                out[k] -= 1
+        if p.deliver_mask(part, mask, ok, value, values):
+            self._pending.pop(call_id, None)
+
+    def summary_replies(self, call_id: int, first: str, mask: bytes, ok: bool, value, values=None) -> list:
+        """A summary as replies ``(call_id, key, ok, value)`` (a batch sent again: see unanswered)."""
+        p = self._pending.get(call_id)
+        part = p.parts.get(first) if type(p) is PendingCall and p.parts else None
+        if part is None:
+            return []
+        keys = p.keys[part:part + len(mask)] if type(part) is int else part
+        return list(zip(repeat(call_id), compress(keys, mask), repeat(ok), values or repeat(value)))
 
     def is_pending(self, call_id: int) -> bool:
         return call_id in self._pending

@@ -6,8 +6,10 @@ agents: one signed send to the agent's fan inbox, which signs it for each of its
 procs (every message is bound to its receiving socket, wire.py) and pushes it over ipc
 (node/fanout.py). Their replies, and the output they write
 meanwhile, come back in one batch per host (``"rb"``): one signature checked here for the
-batch (the agent checked each proc's), and only the values unpickled. Smaller sends and
-point-to-point calls (``call_one``, a slice), keep the one hop.
+batch (the agent checked each proc's), and only the values unpickled; members that
+answered alike come as one summary per value (node/fantree.py ``summarise``), marked
+answered from each host's place in the call, kept at send (``Calls.set_parts``). Smaller
+sends and point-to-point calls (``call_one``, a slice), keep the one hop.
 
 ``MONARCH_KERNEL_FANOUT_MIN`` (default 32): members in one send before it goes through the
 agents (every host of it, however few of them it holds: 32 hosts x 8 GPUs is 32 sends, not
@@ -41,6 +43,7 @@ from .. import config
 from . import wire
 from .errors import ActorError
 from .transport import is_local
+from .wire import PLAIN_TYPES
 
 log = logging.getLogger("monarch_kernel")
 
@@ -52,6 +55,8 @@ _trees: dict[tuple, list] = {}   # (agents, width) -> [(agent, children)]: the t
 _kids: dict[str, dict] = {}    # agent -> {child agent: mesh key}: whom to tell when it is lost
 _lost: set[str] = set()        # agents whose host is lost: never a relay
 _via: dict[str, deque] = {}    # relay agent -> what it was to forward: resent to its children if it is lost
+_plans: dict[tuple, tuple] = {}   # a send's members -> them by host (_hosts_of)
+_joined: set[str] = set()      # agents that read a host's member keys as one NUL-joined string
 _sids = itertools.count(1)     # tree sends' numbers (an agent that gets one twice acts once)
 RESEND_S = 10.0                # a relay's sends without a pending call kept this long (broadcasts)
 _pid = [0]
@@ -62,7 +67,7 @@ def learn_agent(rt, agent_addr: str, info: dict) -> None:
     """From an agent's hello answer: where its fan inbox is (agents without one: direct)."""
     fan = info.get("fan")
     if _pid[0] != os.getpid():   # a forked child starts with no routes
-        for d in (_routes, _fan, _trees, _kids, _lost, _via):
+        for d in (_routes, _fan, _trees, _kids, _lost, _via, _plans, _joined):
             d.clear()
         _pid[0] = os.getpid()
     _trees.clear()
@@ -71,6 +76,11 @@ def learn_agent(rt, agent_addr: str, info: dict) -> None:
         return
     _routes[agent_addr] = rt.learn_contact(list(fan))
     _fan[agent_addr] = list(fan)
+    if info.get("fan_version", 1) >= 2:
+        _joined.add(agent_addr)
+    else:
+        _joined.discard(agent_addr)
+    _plans.clear()
     if rt.once("fan-in batches"):
         rt.on_message("rb", lambda msg: _on_batch(rt, msg))
         rt.on_message("rr", lambda msg: _on_batch(rt, msg, resent=True))
@@ -92,13 +102,9 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     fan_min = config.FANOUT_MIN.get() if _routes and len(refs) > 1 else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
-        for agent, run in groupby(refs, _AGENT):   # ranks of a host are usually adjacent
-            have = groups.get(agent)
-            if have is None:
-                groups[agent] = list(run)
-            else:
-                have.extend(run)
-        for agent in list(groups):   # a big send goes through every agent: 32 hosts x 8 too
+        hosts, starts, keys, wire_keys = _hosts_of(refs)
+        groups = dict(hosts)
+        for agent in hosts:   # a big send goes through every agent: 32 hosts x 8 too
             if agent not in _routes:
                 direct.extend(groups.pop(agent))
     inner = None
@@ -114,21 +120,56 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
         bufs = [pickle.PickleBuffer(b) for b in inner[1:]]
     frames = rt.pack(key, msg, [r.work for r in direct]) if direct else None
     if inner is not None:
+        if len(groups) < len(keys):
+            keys = {agent: keys[agent] for agent in groups}
+            wire_keys = {agent: wire_keys[agent] for agent in groups}
+        if call_id:   # where each host's members sit in the call, for its summaries (``_on_batch``)
+            rt.calls.set_parts(call_id, [(starts[a], ks) for a, ks in keys.items()])
         width = config.FANOUT_TREE_WIDTH.get() if len(groups) > 1 else 0
         if width and len(groups) > width:
             sid = next(_sids)
             for agent, subtree in _tree(tuple(groups), width, key):
-                below = _envelopes(subtree, groups)
-                env = ("fan", list(map(_KEY, groups[agent])), rt.contact, call_id, inner[0], bufs, below, None, sid)
+                below = _envelopes(subtree, wire_keys)
+                env = ("fan", wire_keys[agent], rt.contact, call_id, inner[0], bufs, below, None, sid, True)
                 rt.send_frames(_routes[agent], rt.pack(key, env))
                 if below:
                     _remember_sends(rt, agent, subtree, below, (time.monotonic(), sid, key, call_id, inner[0], bufs))
         else:
-            for agent, members in groups.items():
-                env = ("fan", list(map(_KEY, members)), rt.contact, call_id, inner[0], bufs)
+            for agent, ks in wire_keys.items():
+                env = ("fan", ks, rt.contact, call_id, inner[0], bufs, (), None, 0, True)
                 rt.send_frames(_routes[agent], rt.pack(key, env))
     for r in direct:
         rt.send_frames(r.work, frames)
+
+
+def _hosts_of(refs: list) -> tuple[dict, dict, dict, dict]:
+    """``refs`` by host agent: {agent: its members}, {agent: their first place in refs, or
+    -1 where they are not adjacent}, {agent: their keys}, {agent: their keys as its envelope
+    carries them (joined by NUL for an agent that reads that)}. Cached per list of members
+    (a call to all sends to the same members each time; 256 of them took ~70 µs to group,
+    and their keys as a list ~20 µs more to pickle): the cache is checked by comparing
+    the lists, which is a pointer compare per member."""
+    plan = _plans.get((len(refs), id(refs[0]), id(refs[-1])))
+    if plan is not None and plan[0] == refs:
+        return plan[1]
+    groups: dict[str, list] = {}
+    at, starts = 0, {}
+    for agent, run in groupby(refs, _AGENT):   # ranks of a host are usually adjacent
+        run = list(run)
+        have = groups.get(agent)
+        if have is None:
+            groups[agent] = run
+            starts[agent] = at
+        else:
+            have.extend(run)
+            starts[agent] = -1
+        at += len(run)
+    keys = {agent: list(map(_KEY, members)) for agent, members in groups.items()}
+    out = groups, starts, keys, {agent: "\0".join(ks) if agent in _joined else ks for agent, ks in keys.items()}
+    if len(_plans) >= 64:
+        _plans.clear()
+    _plans[(len(refs), id(refs[0]), id(refs[-1]))] = (list(refs), out)   # (its refs keep the ids taken)
+    return out
 
 
 def _tree(agents: tuple, width: int, key: bytes) -> list:
@@ -167,9 +208,9 @@ def _remember_parents(tree: list, key: bytes) -> None:
             _remember_parents(children, key)
 
 
-def _envelopes(subtree: list, groups: dict) -> list:
+def _envelopes(subtree: list, keys: dict) -> list:
     """A relay's children, as it forwards to them: (fan contact, member keys, their children)."""
-    return [(_fan[a], list(map(_KEY, groups[a])), _envelopes(kids, groups)) for a, kids in subtree]
+    return [(_fan[a], keys[a], _envelopes(kids, keys)) for a, kids in subtree]
 
 
 def _host_changed(rt, addr: str, lost: bool) -> None:
@@ -192,7 +233,7 @@ def _host_changed(rt, addr: str, lost: bool) -> None:
     # that had it already only sends its replies our way from now on (node/fanout.py).
     for _, sid, key, call_id, header, bufs, below in sends:
         for fan_contact, keys, subtree in below:
-            env = ("fan", keys, rt.contact, call_id, header, bufs, subtree, None, sid)
+            env = ("fan", keys, rt.contact, call_id, header, bufs, subtree, None, sid, True)
             try:
                 rt.send_frames(rt.learn_contact(fan_contact), rt.pack(key, env))
             except Exception:
@@ -249,6 +290,23 @@ def _on_batch(rt, msg, resent: bool = False) -> None:
                 vheader = none if headers is None else headers[j]
                 replies.append((call_id, key, *_value(ok, vheader, buffers, i, n)))
                 i += n
+            continue
+        if kind == "ra":   # one host's members answered one value (node/fantree.py summarise)
+            _, call_id, first, mask, vheader = item
+            ok, value = _value(True, vheader, buffers, i, 0)
+            values = None
+            if not ok or type(value) not in PLAIN_TYPES:   # not shared: each member its own copy
+                values = [value, *(_value(True, vheader, buffers, i, 0)[1] for _ in range(mask.count(1) - 1))]
+            if resent:
+                replies.extend(calls.summary_replies(call_id, first, mask, ok, value, values))
+                continue
+            if replies:
+                _deliver(calls.on_results, replies)
+                replies = []
+            try:
+                calls.on_summary(call_id, first, mask, ok, value, values)
+            except Exception:
+                log.exception("handler for a summary of replies failed")
             continue
         if kind == "r":   # one reply (an agent that predates the columnar runs)
             _, call_id, key, ok, vheader, n = item

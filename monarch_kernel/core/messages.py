@@ -290,7 +290,8 @@ class Fan(NamedTuple):
     """One call, spawn or broadcast for many procs of a host (controller -> the agent's fan
     inbox); the agent stamps the inner message for each proc's work inbox."""
     kind: str
-    keys: list             # the member procs' keys on this host
+    keys: Any              # the member procs' keys on this host: a list, or one str joined by
+                           # NUL for an agent of fan_version 2 (its hello answer says so)
     contact: Any           # where replies go (the caller's contact)
     call_id: int
     header: bytes          # the inner message's pickled header (the agent never unpickles it)
@@ -301,6 +302,9 @@ class Fan(NamedTuple):
     children: list = ()
     parent: Any = None
     send_id: int = 0
+    # The caller takes "ra" items (node/fantree.py ``summarise``): when every member of this
+    # host answered the same plain value, one item says so instead of a key per member.
+    summaries: bool = False
 
 
 @message("rv")

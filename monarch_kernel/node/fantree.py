@@ -54,15 +54,82 @@ def columns(items: list) -> None:
                         None if headers.count(_NONE) == len(headers) else headers, counts if any(counts) else None)
 
 
+MAX_SUMMARIES = 4   # distinct values of one call in a batch before its replies go key by key
+
+
+def summarise(items: list, own: dict, dest: str) -> None:
+    """Turn the replies of this host's own members to a call in ``items`` (a batch about to
+    go up, runs still lists), when all are ok plain values without buffers and of at most
+    ``MAX_SUMMARIES`` distinct pickled headers, into one ``("ra", call id, first key, mask,
+    header)`` item per value at the place of the call's last run. ``mask``: a byte per
+    member this host was sent (in the order the controller listed them), 1 where that
+    member answered this value. The controller kept each host's places in the call per
+    first key when it sent (core/fanout.py), so it marks them answered with a few C-level
+    steps, and no key per member travels or is unpickled (at 256 members that was most of
+    a call to all's cost there). The first key names the host exactly through relays,
+    which pass the item up unopened. Output between the runs keeps its place, before the
+    replies. ``own``: (dest, call id) -> [keys forwarded, their positions or None, replies
+    still to come]."""
+    runs: dict = {}
+    for j, it in enumerate(items):
+        if type(it) is list:
+            at = runs.get(it[1])
+            if at is None:
+                runs[it[1]] = [j]
+            else:
+                at.append(j)
+    put: dict = {}   # position of a call's last run -> its summaries
+    for call_id, at in runs.items():
+        entry = own.get((dest, call_id))
+        if entry is None or not all(all(items[j][3]) and not any(items[j][5]) for j in at):
+            continue
+        masks = _masks(entry, [items[j] for j in at])
+        if masks is None:
+            continue
+        put[at[-1]] = [("ra", call_id, entry[0][0], mask, header) for header, mask in masks]
+        for j in at[:-1]:
+            put[j] = []
+        entry[2] -= sum(len(items[j][2]) for j in at)
+        if entry[2] <= 0:
+            del own[(dest, call_id)]
+    if put:
+        items[:] = [x for j, it in enumerate(items) for x in put.get(j, (it,))]
+
+
+def _masks(entry: list, runs: list) -> list | None:
+    """[(header, mask)] for the replies in ``runs`` (see summarise), or None when they are
+    not an exact set of distinct members we were sent, or hold too many distinct values."""
+    keys, pos = entry[0], entry[1]
+    if pos is None:
+        pos = entry[1] = dict(zip(keys, range(len(keys))))
+    seen = bytearray(len(keys))
+    masks: dict = {}
+    for run in runs:
+        for key, header in zip(run[2], run[4]):
+            mask = masks.get(header)
+            if mask is None:
+                if len(masks) == MAX_SUMMARIES:
+                    return None
+                mask = masks[header] = bytearray(len(keys))
+            i = pos.get(key)
+            if i is None or seen[i]:
+                return None   # not a member we were sent, or twice: not exact, key by key
+            seen[i] = mask[i] = 1
+    return [(header, bytes(mask)) for header, mask in masks.items()]
+
+
 def replies_in(item) -> int:
     """How many replies a batch item carries (0: output or another kind)."""
     kind = item[0]
-    return len(item[2]) if kind == "rc" else 1 if kind == "r" else 0
+    return len(item[2]) if kind == "rc" else item[3].count(1) if kind == "ra" else 1 if kind == "r" else 0
 
 
 def buffers_in(item) -> int:
-    if item[0] == "r":
+    kind = item[0]
+    if kind == "r":
         return item[5]
+    if kind == "ra":
+        return 0
     return sum(item[5]) if item[5] else 0
 
 
@@ -160,6 +227,7 @@ def reroute(relay, dest: str, lost_contact, calls=None) -> int:
                 mine.since = time.monotonic()
             mine.items.extend(h.items)
             mine.buffers.extend(h.buffers)
+            mine.shown += h.shown
     if items:
         relay.send_up(dest, "", ("rr", items, [pickle.PickleBuffer(b) for b in buffers]))
     n = sum(map(replies_in, items))

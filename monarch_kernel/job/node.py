@@ -44,7 +44,9 @@ class _ForkedZygote:
             os.dup2(ev_w, 1)    # atexit handlers included: nothing below catches it)
             for fd in (cmd_r, cmd_w, ev_r, ev_w):
                 os.close(fd)
-            os.environ["MONARCH_KERNEL_AGENT_PID"] = str(parent)   # config.AGENT_PID: dies with us
+            from monarch_kernel import config  # (stdlib only; the zygote imports it first thing too)
+
+            os.environ[config.AGENT_PID.env] = str(parent)   # it dies with us
             sys.argv = sys.argv[:1]
             _show_command_line([sys.executable, "-m", "monarch_kernel.node.zygote"])
             import runpy

@@ -239,3 +239,41 @@ def test_a_proc_that_replies_then_dies_keeps_its_reply_when_the_death_overtakes_
     finally:
         _shut_down(hm, agents)
         mp.undo()
+
+
+def test_an_agent_summarises_only_an_exact_set_of_its_members_and_keeps_output_in_place():
+    """node/fantree.summarise on batches as an agent holds them (runs still lists): output
+    keeps its place before the summary; a key it was not sent, a member twice, five values,
+    an error or a tensor leave the replies key by key, and the call's kept keys are dropped
+    then (they are not held for later batches that will not use them)."""
+    from monarch_kernel.core import wire
+    from monarch_kernel.node.fantree import summarise
+
+    none, one = wire.dumps(None)[0], wire.dumps(1)[0]
+    keys = ["h.1", "h.2", "h.3"]
+
+    def run(cid, ks, headers, oks=None, counts=None):
+        return ["rc", cid, list(ks), oks or [True] * len(ks), list(headers), counts or [0] * len(ks)]
+
+    out = ("out", "line")
+    own = {("c", 1): [keys, None, 3]}
+    items = [out, run(1, ["h.2"], [none]), out, run(1, ["h.1", "h.3"], [one, none])]
+    summarise(items, own, "c")
+    assert items == [out, out, ("ra", 1, "h.1", b"\x00\x01\x01", none), ("ra", 1, "h.1", b"\x01\x00\x00", one)]
+    assert own == {}   # every member of the call here answered: nothing kept
+    for bad in (run(2, ["h.1", "x.9"], [none, none]), run(2, ["h.1", "h.1"], [none, none]),
+                run(2, ["h.1", "h.2"], [none, none], oks=[True, False]),
+                run(2, ["h.1", "h.2"], [none, none], counts=[0, 1])):
+        own = {("c", 2): [keys, None, 3]}
+        items = [bad]
+        summarise(items, own, "c")
+        assert items == [bad] and own == {}, bad
+    five = [wire.dumps(v)[0] for v in range(5)]
+    own = {("c", 3): [[f"h.{i}" for i in range(5)], None, 5]}
+    items = [run(3, [f"h.{i}" for i in range(5)], five)]
+    summarise(items, own, "c")
+    assert items[0][0] == "rc" and own == {}
+    own = {("c", 4): [keys, None, 3]}   # part of a call: summarised, the rest still expected
+    items = [run(4, ["h.3"], [none])]
+    summarise(items, own, "c")
+    assert items == [("ra", 4, "h.1", b"\x00\x00\x01", none)] and own[("c", 4)][2] == 2

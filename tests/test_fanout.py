@@ -263,6 +263,15 @@ def test_a_thread_waiting_on_a_fanned_call_runs_the_wait_hook_and_honours_its_ti
         assert fut.get(30).values() == [5] * 8
     finally:
         rt.set_wait_hook(old)
+    fut, slices = members.same.call(6, 0.3), 0   # waited on in short slices, as a sync cell does
+    while True:
+        try:
+            got = fut.get(0.02)
+            break
+        except TimeoutError:
+            slices += 1
+    assert got.values() == [6] * 8 and slices >= 3
+    assert members.same.call(7).get(30).values() == [7] * 8
 
 
 def test_replies_that_trickle_in_without_output_come_back_as_one_batch(members, monkeypatch):

@@ -82,7 +82,8 @@ class Inbox:
         self._released_at = 0.0
         self._wanted_since = 0.0             # when _wanted last went from 0 to 1
         self._long_poll = False              # the I/O thread sleeps past 2 ms: kick it on release
-        self._handed: dict[int, threading.Lock] = {}   # threads waiting on a long call (wait_long)
+        self._handed: dict[int, _Waker] = {}   # threads waiting on a long call (wait_long)
+        self._wakers: dict[int, _Waker] = {}   # each thread's, kept between its waits
         # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
         self._nested_work: tuple | None = None
         self._nested_thread: int | None = None
@@ -269,10 +270,13 @@ class Inbox:
         if me == self._io_ident or self._holder == me or self._nested_thread == me or self._thread is None:
             return self.wait_for(fut, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        woken = _Lock()   # held while nothing happened: released to wake us (cheaper than an Event)
-        woken.acquire()
-        fut.add_done_callback(lambda _f: _release(woken))
-        self._handed[me] = woken
+        waker = self._wakers.get(me)
+        if waker is None:
+            waker = self._wakers[me] = _Waker()
+        waker.on(fut)
+        woken = waker.lock
+        nested = me in self._handed   # (the wait hook waiting in turn)
+        self._handed[me] = waker
         try:
             if self._holder is None and not self._wanted:
                 os.write(self._wake_w, b"h")   # take the inbox now (not after a short poll)
@@ -287,7 +291,8 @@ class Inbox:
                     raise fut.timeout_error(timeout)
                 woken.acquire(True, left)
         finally:
-            del self._handed[me]
+            if not nested:
+                del self._handed[me]
 
     def wait_for(self, fut: Future, timeout: float | None) -> None:
         """Called by ``Future.get`` on a pending future: read the inbox in this thread until
@@ -401,8 +406,8 @@ class Inbox:
     def want_wait_hook(self) -> None:
         """Make the hook's thread run it as soon as it waits in Future.get (or now, if it does)."""
         self._wait_hook_due = True
-        for woken in list(self._handed.values()):   # a thread in wait_long: let it look
-            _release(woken)
+        for waker in list(self._handed.values()):   # a thread in wait_long: let it look
+            waker.wake()
 
     def _run_wait_hook(self, fn: Callable[[], None]) -> None:
         """Run the wait hook with the inbox left to the I/O thread."""
@@ -454,15 +459,35 @@ def _ms_left(deadline: float | None, fut: Future, timeout) -> int:
     return ms
 
 
-_Lock = threading.Lock
+class _Waker:
+    """What wakes one thread in ``wait_long``: a lock held while nothing happened (cheaper
+    than an Event), released by the future's resolution or the wait hook; and the future it
+    is registered on while that is pending, so a wait in slices (``get(0.1)`` in a loop, as
+    ``%on_mesh``'s sync path does) adds one callback to it, not one a slice."""
 
+    __slots__ = ("lock", "fut")
 
-def _release(lock) -> None:
-    """Wake a thread in wait_long (once: a second release of the same wake is no-op)."""
-    try:
-        lock.release()
-    except RuntimeError:
-        pass
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.fut: Future | None = None
+
+    def on(self, fut: Future) -> None:
+        if self.fut is not fut:
+            self.fut = fut
+            fut.add_done_callback(self._done)
+
+    def _done(self, fut: Future) -> None:
+        if self.fut is fut:
+            self.fut = None   # (not holding its result alive)
+        self.wake()
+
+    def wake(self) -> None:
+        """A stale wake (an earlier future's) only makes the waiter look again."""
+        try:
+            self.lock.release()
+        except RuntimeError:   # released already
+            pass
 
 
 def _ignore(msg) -> None:

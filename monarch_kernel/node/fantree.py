@@ -69,7 +69,8 @@ def summarise(items: list, own: dict, dest: str) -> None:
     a call to all's cost there). The first key names the host exactly through relays,
     which pass the item up unopened. Output between the runs keeps its place, before the
     replies. ``own``: (dest, call id) -> [keys forwarded, their positions or None, replies
-    still to come]."""
+    still to come], dropped once they have all come, or at the call's first batch that
+    cannot be summarised (its later ones then go key by key too)."""
     runs: dict = {}
     for j, it in enumerate(items):
         if type(it) is list:
@@ -81,10 +82,13 @@ def summarise(items: list, own: dict, dest: str) -> None:
     put: dict = {}   # position of a call's last run -> its summaries
     for call_id, at in runs.items():
         entry = own.get((dest, call_id))
-        if entry is None or not all(all(items[j][3]) and not any(items[j][5]) for j in at):
+        if entry is None:
             continue
-        masks = _masks(entry, [items[j] for j in at])
-        if masks is None:
+        masks = None
+        if all(all(items[j][3]) and not any(items[j][5]) for j in at):
+            masks = _masks(entry, [items[j] for j in at])
+        if masks is None:   # key by key, this batch and the call's later ones: its entry (the
+            del own[(dest, call_id)]   # keys of up to 256 members) is not kept for nothing
             continue
         put[at[-1]] = [("ra", call_id, entry[0][0], mask, header) for header, mask in masks]
         for j in at[:-1]:

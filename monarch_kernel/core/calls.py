@@ -126,11 +126,16 @@ class PendingCall:
         if idx is None or any(map(answered.__getitem__, idx)):   # unknown or repeated: one by one
             return self.deliver_many([(0, k, True, None) for k in keys])
         list(map(answered.__setitem__, idx, repeat(1, len(idx))))
-        self.remaining -= len(idx)
+        return self._answered_alike(len(idx), None)
+
+    def _answered_alike(self, count: int, value) -> bool:
+        """``count`` more members answered ``value`` (already marked and stored): streamed,
+        counted, and the call finished once every member has answered (True then)."""
+        self.remaining -= count
         done = self.future.done()
         if self.queue is not None and not done:
-            for _ in idx:
-                self.queue.put((True, None))
+            for _ in range(count):
+                self.queue.put((True, value))
         if self.remaining > 0:
             return False
         if not done:
@@ -154,16 +159,7 @@ class PendingCall:
                 count = mask.count(1)
                 if value is not None:
                     list(map(self.results.__setitem__, compress(range(part, stop), mask), repeat(value, count)))
-                self.remaining -= count
-                done = self.future.done()
-                if self.queue is not None and not done:
-                    for _ in range(count):
-                        self.queue.put((True, value))
-                if self.remaining > 0:
-                    return False
-                if not done:
-                    self._finish()
-                return True
+                return self._answered_alike(count, value)
             part = self.keys[part:stop]
         return self.deliver_many(list(zip(repeat(0), compress(part, mask), repeat(ok), values or repeat(value))))
 

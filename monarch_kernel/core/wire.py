@@ -135,20 +135,14 @@ def _reduce_cuda_tensor(obj, torch):
 def _tensor_reduction(obj, t):
     torch = sys.modules.get("torch")
     if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
-        if obj.device.type == "cuda" and obj.layout == torch.strided and not obj.is_quantized:
-            n = _LOCAL.receivers
-            if n and LARGE_TENSOR_HOOK is not None and obj.numel() * obj.element_size() >= LARGE_TENSOR_BYTES:
-                r = LARGE_TENSOR_HOOK(obj.detach().contiguous(), n)   # same host: CUDA IPC
-                if r is not None:
-                    return r
-            return _reduce_cuda_tensor(obj, torch)
-        if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
+        device = obj.device.type
+        if device in ("cpu", "cuda") and obj.layout == torch.strided and not obj.is_quantized:
             n = _LOCAL.receivers
             if n and LARGE_TENSOR_HOOK is not None and obj.numel() * obj.element_size() >= LARGE_TENSOR_BYTES:
                 r = LARGE_TENSOR_HOOK(obj.detach().contiguous(), n)   # same host: a handle, not bytes
                 if r is not None:
                     return r
-            return _reduce_tensor(obj, torch)
+            return _reduce_tensor(obj, torch) if device == "cpu" else _reduce_cuda_tensor(obj, torch)
     return None
 
 

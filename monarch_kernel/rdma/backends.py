@@ -41,7 +41,7 @@ def _ipc_reaches(o: owner_mod.OwnerInfo, same_host: bool, ipc) -> bool:
 
 
 def choose(o: owner_mod.OwnerInfo, device: str, verbs, ipc=None) -> str:
-    want = config.RDMA_BACKEND.get().lower()
+    want = forced()
     same_host = o.host_id == shm.host_id()
     cpu = device == "cpu"
     if want not in ("auto", *NAMES):
@@ -148,7 +148,7 @@ def get_rdma_backend() -> BackendReport:
     """Which data paths work in this process (ibverbs needs an RDMA device)."""
     usable = {"ibverbs": ibverbs.available(), "shm": shm.permitted(),
               "tcp": (True, "a data socket per owner process, chunked"), "cuda_ipc": cuda_ipc.available()}
-    want = config.RDMA_BACKEND.get().lower()
+    want = forced()
     if want in NAMES:
         default = want
     else:

@@ -69,8 +69,8 @@ def _reduce_local_cuda(tensor, receivers: int):
     """A large CUDA tensor for receivers on this host: pinned like a CPU one, exported with
     CUDA IPC; a receiver that sees the GPU copies it on the GPU, any other pulls it over
     the sender's data socket (which stages it through host memory)."""
-    ipc = cuda_ipc.export(tensor)
-    if ipc is None or not tensor.is_contiguous():
+    ipc = cuda_ipc.export(tensor) if tensor.is_contiguous() else None
+    if ipc is None:
         return None
     nbytes = tensor.numel() * tensor.element_size()
     reg = owner_mod.registry()

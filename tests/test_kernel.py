@@ -160,6 +160,19 @@ def test_a_mesh_cell_is_named_after_its_own_prompt_number(k):
     assert f'File "<In [{n}] on mesh>", line 1' in "\n".join(r.error["traceback"])   # was In [n+1]
 
 
+def test_the_same_cell_run_again_is_named_after_its_new_prompt_number(k):
+    """Each proc compiles a cell's text once and keeps it (node/cells.py): a rerun, and the
+    function the cell defines, still point at the rerun's own cell and lines."""
+    code = "%%on_mesh --ranks 0,1\ndef f(d):\n    return 1 / d\nf(rank - rank)"
+    for _ in range(2):
+        r = k.run(code)
+        n = r.reply["content"]["execution_count"]
+        tb = "\n".join(r.error["traceback"])
+        assert f'File "<In [{n}] on mesh>", line 2, in f' in tb and "return 1 / d" in tb, tb
+        assert f'File "<In [{n - 1}] on mesh>"' not in tb, tb
+    assert k.ok("%%on_mesh --ranks 0,1\nrank * 10").result == k.ok("%%on_mesh --ranks 0,1\nrank * 10").result
+
+
 def test_differing_errors_each_once_and_other_ranks_results_kept(k):
     r = k.run("%%on_mesh\nif rank == 0: raise ValueError('bad zero')\n"
               "if rank == 1: raise KeyError('k')\nrank + 100")

@@ -111,7 +111,7 @@ PROFILE_ON = ("import cProfile as _cp, time as _t; _bench_prof = _cp.Profile(_t.
               "_bench_prof.enable()")   # CPU time of the thread: the machine is shared
 PROFILE_OFF = ("_bench_prof.disable(); import pstats as _ps, io as _io; _s = _io.StringIO(); "
                "_p = _ps.Stats(_bench_prof, stream=_s); _p.sort_stats('tottime').print_stats(35); "
-               "_p.sort_stats('cumulative').print_stats(45); print(_s.getvalue())")
+               "_p.sort_stats('cumulative').print_stats(80); print(_s.getvalue())")
 
 
 def main() -> None:

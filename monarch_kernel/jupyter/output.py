@@ -295,7 +295,12 @@ class OutputRouter:
                                                            update=update))
 
     def flush(self) -> None:
+        """Send the text the notebook's streams hold, so a display goes after it. ipykernel's
+        flush from this thread waits for its I/O thread, twice a stream; a stream it says has
+        nothing written since its last flush (``_flush_pending``) is left alone."""
         for s in (sys.stdout, sys.stderr):
+            if getattr(s, "_flush_pending", True) is False:
+                continue
             try:
                 s.flush()
             except Exception:

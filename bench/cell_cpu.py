@@ -12,9 +12,10 @@ per cell, from ``/proc/*/task/*/schedstat`` (ns): the kernel process (``kernel_m
 main thread, where IPython and the cell's output run), the agent, and the N procs together
 (``procs``; ``proc_us``: per proc). The load average goes with each line.
 
-``--profile kernel``: cProfile on the kernel's main thread over the timed cells of the
-last round (turned on and off by plain cells; not left on); ``--profile proc``: the same on
-rank 0's main thread. Prints the top functions (tottime, then cumulative) to stderr.
+``--profile kernel``: cProfile (CPU time of the thread) on the kernel's main thread over the
+timed cells of the last round (turned on and off by plain cells; not left on); ``--profile
+proc``: the same on rank 0's main thread. Prints the top functions (tottime, then cumulative)
+to stderr; ``MONARCH_BENCH_PROFILE_OUT=FILE`` also saves the stats there (pstats).
 """
 from __future__ import annotations
 
@@ -52,15 +53,18 @@ def ppid_of(pid: int) -> int:
 
 
 class Tree:
-    def __init__(self, path: str, n: int, tag: str):
+    def __init__(self, spec: str, n: int, tag: str):
+        path, *env = spec.split("|")   # PATH|VAR=VALUE|...: that tree's kernel with these too
         self.path = os.path.abspath(path)
+        self.spec = spec
         self.tag = tag
         home = tempfile.mkdtemp(prefix="mk-cell-cpu-")
         pp = os.pathsep.join([self.path] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         here = os.getcwd()
         os.chdir(self.path)   # `python -m` puts the working directory first on sys.path
         try:
-            self.k = KernelHarness(env={"MONARCH_KERNEL_HOME": home, "PYTHONPATH": pp})
+            self.k = KernelHarness(env={"MONARCH_KERNEL_HOME": home, "PYTHONPATH": pp,
+                                        **dict(e.split("=", 1) for e in env)})
         finally:
             os.chdir(here)
         self.home = home
@@ -109,7 +113,8 @@ class Tree:
 
 PROFILE_ON = ("import cProfile as _cp, time as _t; _bench_prof = _cp.Profile(_t.thread_time); "
               "_bench_prof.enable()")   # CPU time of the thread: the machine is shared
-PROFILE_OFF = ("_bench_prof.disable(); import pstats as _ps, io as _io; _s = _io.StringIO(); "
+PROFILE_OFF = ("_bench_prof.disable(); import pstats as _ps, io as _io, os as _os; _s = _io.StringIO(); "
+               "_bench_prof.dump_stats(_os.environ.get('MONARCH_BENCH_PROFILE_OUT', '/dev/null')); "
                "_p = _ps.Stats(_bench_prof, stream=_s); _p.sort_stats('tottime').print_stats(35); "
                "_p.sort_stats('cumulative').print_stats(80); print(_s.getvalue())")
 
@@ -117,7 +122,8 @@ PROFILE_OFF = ("_bench_prof.disable(); import pstats as _ps, io as _io; _s = _io
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=256)
-    ap.add_argument("--trees", default=".", help="comma-separated source trees (first on PYTHONPATH)")
+    ap.add_argument("--trees", default=".", help="comma-separated source trees (first on PYTHONPATH), "
+                    "each PATH or PATH|VAR=VALUE|... (environment of that tree's kernel)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cells", type=int, default=20)
     ap.add_argument("--code", default="x = 1")
@@ -150,7 +156,7 @@ def main() -> None:
                     print(f"==== {a.profile} profile, {t.path}, {a.cells} cells ====", file=sys.stderr)
                     print(t.k.ok(off).stdout, file=sys.stderr)
                 per = {k: (c1[k] - c0.get(k, 0)) / a.cells / 1e6 for k in c1}
-                print(json.dumps({"tree": t.path, "round": rnd, "n": a.n, "cells": a.cells,
+                print(json.dumps({"tree": t.spec, "round": rnd, "n": a.n, "cells": a.cells,
                                   "p50_ms": round(statistics.median(s), 2), "min_ms": round(min(s), 2),
                                   **{f"{k}_cpu_ms": round(v, 2) for k, v in per.items()},
                                   "proc_us": round(per["procs"] / a.n * 1e3, 1),

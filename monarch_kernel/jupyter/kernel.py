@@ -11,6 +11,8 @@ shown become a line of text (transient.py).
 """
 from __future__ import annotations
 
+import logging
+
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Type
 
@@ -33,6 +35,7 @@ class MonarchKernel(IPythonKernel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._cells_running = 0
+        _drop_unhandled_debug_records(self.log)
         self.shell.extension_manager.load_extension("monarch_kernel")
         try:
             prewarm = config.PREWARM.get()
@@ -71,3 +74,14 @@ class MonarchKernel(IPythonKernel):
         except Exception as e:
             self.log.warning("leaving the mesh failed: %s", e)
         return super().do_shutdown(restart)
+
+
+def _drop_unhandled_debug_records(log) -> None:
+    """traitlets leaves the kernel app's logger at DEBUG and filters in its handlers, so each
+    of ipykernel's debug lines (four a cell) builds a record that every handler drops. Raise
+    the logger to its handlers' lowest level; a change of ``log_level`` reconfigures both."""
+    if not isinstance(log, logging.Logger) or not log.handlers:
+        return
+    lowest = min(h.level for h in log.handlers)
+    if log.level < lowest:
+        log.setLevel(lowest)

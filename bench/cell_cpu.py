@@ -5,8 +5,8 @@
 
 One real kernel per tree (jupyter_client; the tree first on PYTHONPATH, so the kernel, its
 agent and its procs run that tree's code), each connected to its own mesh of N procs on
-this host; then rounds of ``--cells`` cells, alternating the trees, so the load of a shared
-machine falls on all alike. JSON lines per tree and round: the kernel-side p50 (the
+this host; then rounds of ``--cells`` cells, the trees taking turns cell by cell, so the
+load of a shared machine falls on all alike. JSON lines per tree and round: the kernel-side p50 (the
 kernel's reply header date minus its ``started``, as bench_scale.py reads it) and the CPU
 per cell, from ``/proc/*/task/*/schedstat`` (ns): the kernel process (``kernel_main``: its
 main thread, where IPython and the cell's output run), the agent, and the N procs together
@@ -143,19 +143,26 @@ def main() -> None:
             for _ in range(5):
                 t.k.ok(cell)
         for rnd in range(a.rounds):
-            for t in trees:
-                prof = a.profile and rnd == a.rounds - 1
-                if prof:
+            prof = a.profile and rnd == a.rounds - 1
+            if prof:
+                for t in trees:
                     t.k.ok(PROFILE_ON if a.profile == "kernel" else "%%on_mesh --ranks 0\n" + PROFILE_ON)
-                load = os.getloadavg()[0]
-                c0 = t.sample()
-                s = [t.k.ok(cell).kernel_seconds * 1e3 for _ in range(a.cells)]
-                c1 = t.sample()
+            load = os.getloadavg()[0]
+            samples: dict[str, list[float]] = {t.tag: [] for t in trees}
+            c0 = {t.tag: t.sample() for t in trees}
+            # cell by cell, each tree in turn: the same moments of load for all (the other
+            # trees' idle meshes cost them a little CPU meanwhile, alike)
+            for _ in range(a.cells):
+                for t in trees:
+                    samples[t.tag].append(t.k.ok(cell).kernel_seconds * 1e3)
+            c1 = {t.tag: t.sample() for t in trees}
+            for t in trees:
                 if prof:
                     off = PROFILE_OFF if a.profile == "kernel" else "%%on_mesh --ranks 0\n" + PROFILE_OFF
                     print(f"==== {a.profile} profile, {t.path}, {a.cells} cells ====", file=sys.stderr)
                     print(t.k.ok(off).stdout, file=sys.stderr)
-                per = {k: (c1[k] - c0.get(k, 0)) / a.cells / 1e6 for k in c1}
+                s = samples[t.tag]
+                per = {k: (v - c0[t.tag].get(k, 0)) / a.cells / 1e6 for k, v in c1[t.tag].items()}
                 print(json.dumps({"tree": t.spec, "round": rnd, "n": a.n, "cells": a.cells,
                                   "p50_ms": round(statistics.median(s), 2), "min_ms": round(min(s), 2),
                                   **{f"{k}_cpu_ms": round(v, 2) for k, v in per.items()},

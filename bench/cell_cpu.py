@@ -69,6 +69,14 @@ class Tree:
             os.chdir(here)
         self.home = home
         self.name = f"cell-cpu-{tag}"
+        try:
+            self._start(n)
+        except BaseException:
+            self.close()   # its mesh is persistent: it would outlive this script
+            raise
+
+    def _start(self, n: int) -> None:
+        tag = self.tag
         self.k.ok(f"%mesh connect {self.name} --procs {n}", timeout=900)
         here = self.k.ok("import monarch_kernel; print(monarch_kernel.__file__)").stdout.strip()
         there = self.k.ok("%%on_mesh --ranks 0\nimport monarch_kernel; print(monarch_kernel.__file__)").stdout.strip()
@@ -80,7 +88,7 @@ class Tree:
 
         self.tnames = ast.literal_eval(self.k.ok(
             "import threading; print({t.native_id: t.name for t in threading.enumerate()})").stdout.strip())
-        pids = home_processes(home)
+        pids = home_processes(self.home)
         parent = {p: ppid_of(p) for p in pids}
         self.agents = [p for p in pids if parent[p] == self.kernel_pid]
         zyg = [p for p in pids if parent[p] in self.agents]

@@ -34,8 +34,9 @@ from .rich_output import display, send_open_figures, use_on_this_rank  # noqa: F
 
 NAMESPACE: dict = {"__name__": "__on_mesh__"}
 COMPILED_MAX = 256   # source texts kept compiled (the oldest goes first)
-# (source, want_value) -> (the body's code, the last expression's code or None, their filename)
-_COMPILED: dict[tuple[str, bool], tuple[CodeType, CodeType | None, str]] = {}
+# (source, want_value) -> (the body's code, the last expression's code or None, their filename,
+# whether either defines functions or classes: code of its own to rename)
+_COMPILED: dict[tuple[str, bool], tuple[CodeType, CodeType | None, str, bool]] = {}
 
 
 class CellFailure:
@@ -117,25 +118,29 @@ def _compiled(code: str, filename: str, want_value: bool) -> tuple[CodeType, Cod
     key = (code, want_value)
     hit = _COMPILED.get(key)
     if hit is not None:
-        body, last, named = hit
+        body, last, named, nested = hit
         if named == filename:
             return body, last
-        body, last = _renamed(body, filename), (None if last is None else _renamed(last, filename))
+        if nested:
+            body, last = _renamed(body, filename), (None if last is None else _renamed(last, filename))
+        else:
+            body = body.replace(co_filename=filename)
+            if last is not None:
+                last = last.replace(co_filename=filename)
     else:
         tree = ast.parse(code, filename, "exec")
         last = None
         if want_value and tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
             last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
         body = compile(tree, filename, "exec")
+        nested = any(type(c) is CodeType for co in (body, last) if co is not None for c in co.co_consts)
         if len(_COMPILED) >= COMPILED_MAX:
             del _COMPILED[next(iter(_COMPILED))]
-    _COMPILED[key] = (body, last, filename)
+    _COMPILED[key] = (body, last, filename, nested)
     return body, last
 
 
 def _renamed(code: CodeType, filename: str) -> CodeType:
     """``code`` and the code of the functions and classes it defines, under ``filename``."""
-    consts = code.co_consts
-    if any(type(c) is CodeType for c in consts):
-        consts = tuple(_renamed(c, filename) if type(c) is CodeType else c for c in consts)
+    consts = tuple(_renamed(c, filename) if type(c) is CodeType else c for c in code.co_consts)
     return code.replace(co_filename=filename, co_consts=consts)

@@ -142,6 +142,24 @@ def test_display_of_a_figure_then_close_shows_it(k):
     assert "[rank 1] <Figure size" in r.data("display_data")[0]["data"]["text/plain"]
 
 
+def test_a_flush_with_nothing_written_does_not_wait_and_text_still_comes_before_a_display(k):
+    """ipykernel hands each flush to its I/O thread and waits (both streams, several times a
+    cell, and before every display); the Monarch kernel skips that when a stream holds no
+    text. Text written before a display still arrives before it."""
+    r = k.ok("import sys\nout = sys.stdout\nhanded = []\nreal = out.pub_thread.schedule\n"
+             "out.pub_thread.schedule = lambda f: (handed.append(f), real(f))[1]\n"
+             "try:\n    for _ in range(5):\n        out.flush()\n        sys.stderr.flush()\n"
+             "    idle = len(handed)\n    print('before')\n    out.flush()\n    written = len(handed) - idle\n"
+             "finally:\n    out.pub_thread.schedule = real\n"
+             "from IPython.display import display, HTML\ndisplay(HTML('<b>shown</b>'))\nprint('after')\n"
+             "print(idle, written > 0)")
+    assert r.stdout.splitlines()[-1] == "0 True", r.stdout   # ipykernel alone: 20 hand-offs
+    kinds = [(m["msg_type"], m["content"].get("text", "")) for m in r.outputs]
+    first_display = next(i for i, (t, _) in enumerate(kinds) if t == "display_data")
+    assert "before" in "".join(text for t, text in kinds[:first_display]), kinds
+    assert "after" not in "".join(text for t, text in kinds[:first_display]), kinds
+
+
 # ----------------------------------------------------------------------- errors
 def test_same_error_on_every_rank_is_shown_once_with_the_cells_lines(k):
     r = k.run("%%on_mesh\nz = 1\n1 / 0")

@@ -10,8 +10,8 @@ Every thread that touches the runtime, and what it may do:
     starts): send (transport.py: a PUSH socket per thread and destination) and wait.
     A thread blocked in ``Future.get`` reads the inbox itself (``wait_for``, leader /
     follower below), so its reply wakes it directly instead of through a second thread;
-    but on a fanned call (replies in milliseconds, in a host's batch) it leaves the inbox
-    to the I/O thread and is woken once (``wait_long``).
+    but on a long fanned call (replies in tens of milliseconds, in a host's batch) it
+    leaves the inbox to the I/O thread and is woken once (``wait_fanned``, ``wait_long``).
     Work for the agent links is handed to the I/O thread with ``call_in_io`` (a queue
     and a byte on a wake pipe).
   * **a proc's main thread** (node/proc.py) runs user code; waiting inside an endpoint it
@@ -47,6 +47,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums co
 _NOBLOCK = int(zmq.NOBLOCK)
 _get_ident = threading.get_ident
 _SHORT_POLL_MS = 10   # the I/O thread's poll while a user thread reads the inbox (or just did): _poll_ms
+LONG_WAIT_S = 0.01    # a thread's fanned wait that took this long: its next one goes through wait_long
 
 
 class Inbox:
@@ -84,6 +85,7 @@ class Inbox:
         self._long_poll = False              # the I/O thread sleeps past 2 ms: kick it on release
         self._handed: dict[int, _Waker] = {}   # threads waiting on a long call (wait_long)
         self._wakers: dict[int, _Waker] = {}   # each thread's, kept between its waits
+        self._slow_fanned: set[int] = set()    # threads whose last fanned wait was long (wait_fanned)
         # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
         self._nested_work: tuple | None = None
         self._nested_thread: int | None = None
@@ -213,9 +215,10 @@ class Inbox:
 
     def _poll_ms(self, have: bool, next_tick: float) -> int:
         """How long the I/O thread may sleep in poll. While a user thread has read the inbox
-        for over 10 ms (a call to hundreds of procs), it sleeps up to the next heartbeat tick
-        (at most 50 ms) instead of waking to see whether the inbox came back: the waiter kicks
-        it when it lets go (``_unwant``). Shorter waits keep _SHORT_POLL_MS polls, so
+        for over 10 ms (a long call), it sleeps up to the next heartbeat tick instead of waking
+        to see whether the inbox came back: the waiter kicks it when it lets go (``_unwant``).
+        (A wake costs ~50 µs of CPU on this VM: a 50 ms cap woke it 20 times a second through
+        a 5 s ``call_one``.) Shorter waits keep _SHORT_POLL_MS polls, so
         back-to-back small calls cost no kick; after the last of them, what nobody waits for
         (output, a callback's reply) is read within that time. 10 ms rather than 2: a
         ``call_one`` loop woke the I/O thread (and took the GIL from the caller) every 2 ms,
@@ -236,7 +239,7 @@ class Inbox:
         if not self._wanted:   # let go meanwhile (it saw no long poll to kick): stay short
             self._long_poll = False
             return _SHORT_POLL_MS
-        return max(2, min(50, int((next_tick - now) * 1000)))
+        return max(2, int((next_tick - now) * 1000) + 1)
 
     def _want(self) -> None:
         with self._want_lock:
@@ -259,6 +262,29 @@ class Inbox:
             self._wake_self()
 
     # ----------------------------------------------------------------- waiting on the inbox
+    def wait_fanned(self, fut: Future, timeout: float | None) -> None:
+        """``Future.get`` on a fanned call (its hosts' batches, core/fanout.py). A short one
+        (a few procs a host, or cores enough for them: ~1 ms) is read by the waiting thread
+        itself (``wait_for``: its one wake; the hand-off of ``wait_long`` added a wake of the
+        I/O thread and ~0.1 ms of CPU to a call to 4 procs here). A long one (hundreds of
+        procs on 2 cores: 10-50 ms) goes through ``wait_long``: a waiter holding the inbox
+        that long costs the I/O thread a wake to see it and a kick to take it back, more than
+        the one wake of the waiter. Which: as this thread's previous fanned wait went (a loop
+        of calls to one mesh takes about as long each time)."""
+        me = _get_ident()
+        slow = self._slow_fanned
+        t0 = time.monotonic()
+        try:
+            if me in slow:
+                self.wait_long(fut, timeout)
+            else:
+                self.wait_for(fut, timeout)
+        finally:
+            if time.monotonic() - t0 >= LONG_WAIT_S:
+                slow.add(me)
+            else:
+                slow.discard(me)
+
     def wait_long(self, fut: Future, timeout: float | None) -> None:
         """``wait_for`` for a call whose replies take milliseconds (a fanned call: its hosts'
         batches, core/fanout.py): leave the inbox to the I/O thread, which resolves ``fut``

@@ -86,6 +86,7 @@ class Inbox:
         self._handed: dict[int, _Waker] = {}   # threads waiting on a long call (wait_long)
         self._wakers: dict[int, _Waker] = {}   # each thread's, kept between its waits
         self._slow_fanned: set[int] = set()    # threads whose last fanned wait was long (wait_fanned)
+        self._deferred: list[_Waker] = []      # woken by the I/O thread just before it polls (_Waker)
         # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
         self._nested_work: tuple | None = None
         self._nested_thread: int | None = None
@@ -154,13 +155,17 @@ class Inbox:
             try:
                 if have:
                     self._holder = me
-                events = (poller_in if have else poller).poll(self._poll_ms(have, next_tick))
+                timeout = self._poll_ms(have, next_tick)
+                if self._deferred:
+                    self._wake_deferred()
+                events = (poller_in if have else poller).poll(timeout)
                 self._long_poll = False
             except zmq.ZMQError:
                 if have:
                     self._holder = None
                     lock.release()
                 if self._closing:
+                    self._wake_deferred()
                     return
                 raise
             try:
@@ -190,6 +195,15 @@ class Inbox:
             if now >= next_tick:
                 next_tick = now + HEARTBEAT_S / 2
                 agents.tick(now)
+        self._wake_deferred()
+
+    def _wake_deferred(self) -> None:
+        """(I/O thread) Wake the threads whose futures it resolved since its last poll, now
+        that it is about to drop the GIL in poll: woken at once, a waiter found the GIL still
+        held and slept on it a second time (2 more context switches a call to all)."""
+        deferred = self._deferred
+        while deferred:
+            deferred.pop().wake()
 
     @staticmethod
     def _drain(inbox, opener, dispatch) -> None:
@@ -298,7 +312,7 @@ class Inbox:
         deadline = None if timeout is None else time.monotonic() + timeout
         waker = self._wakers.get(me)
         if waker is None:
-            waker = self._wakers[me] = _Waker()
+            waker = self._wakers[me] = _Waker(self._deferred, self._io_ident)
         waker.on(fut)
         woken = waker.lock
         nested = me in self._handed   # (the wait hook waiting in turn)
@@ -491,12 +505,13 @@ class _Waker:
     is registered on while that is pending, so a wait in slices (``get(0.1)`` in a loop, as
     ``%on_mesh``'s sync path does) adds one callback to it, not one a slice."""
 
-    __slots__ = ("lock", "fut")
+    __slots__ = ("lock", "fut", "_deferred", "_io_ident")
 
-    def __init__(self):
+    def __init__(self, deferred: list, io_ident: int | None):
         self.lock = threading.Lock()
         self.lock.acquire()
         self.fut: Future | None = None
+        self._deferred, self._io_ident = deferred, io_ident   # (Inbox._wake_deferred)
 
     def on(self, fut: Future) -> None:
         if self.fut is not fut:
@@ -506,7 +521,10 @@ class _Waker:
     def _done(self, fut: Future) -> None:
         if self.fut is fut:
             self.fut = None   # (not holding its result alive)
-        self.wake()
+        if _get_ident() == self._io_ident:
+            self._deferred.append(self)   # woken when the I/O thread next polls (_wake_deferred)
+        else:
+            self.wake()
 
     def wake(self) -> None:
         """A stale wake (an earlier future's) only makes the waiter look again."""

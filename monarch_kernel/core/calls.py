@@ -262,6 +262,7 @@ class Calls:
         self.outstanding = Outstanding(self)
         self._big: dict[int, PendingCall] = {}   # calls of BIG members or more: not in the counter
         self._indexes: dict[tuple, tuple] = {}   # recent big calls' members -> their index (shared)
+        self._parts: tuple | None = None   # the last set_parts (hosts, keys, parts): a loop of calls shares it
         self.dead: dict[str, SupervisionError] = {}
         self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
         self.replied_before_death: dict[str, set] = {}   # proc -> calls whose reply is on its way
@@ -392,7 +393,12 @@ class Calls:
         if p is None or type(p) is not PendingCall:
             return
         keys = p.keys
-        p.parts = {ks[0]: at if at >= 0 and keys[at:at + len(ks)] == ks else ks for at, ks in hosts}
+        kept = self._parts
+        if kept is not None and kept[0] is hosts and kept[1] is keys:   # the same send as the last one
+            p.parts = kept[2]   # (read only)
+        else:
+            p.parts = {ks[0]: at if at >= 0 and keys[at:at + len(ks)] == ks else ks for at, ks in hosts}
+            self._parts = (hosts, keys, p.parts)
         p.future.set_waiter(self._fanned_waiter)
 
     def on_summary(self, call_id: int, first: str, mask: bytes, ok: bool, value, values=None) -> None:

@@ -146,7 +146,7 @@ class Inbox:
         me = threading.get_ident()
         next_tick = 0.0
         while not self._closing:
-            have = False
+            have = heard = False
             if not self._wanted and (self._handed or time.monotonic() - self._released_at > 0.001):
                 have = lock.acquire(blocking=False)
                 if have and self._wanted:
@@ -187,11 +187,14 @@ class Inbox:
                         link = agents.owns(sock)
                         if link is not None:
                             agents.on_socket(link)
+                            heard = True
             finally:
                 if have:
                     self._holder = None
                     lock.release()
             now = time.monotonic()
+            if heard:   # every agent answered: no tick before the next heartbeat is due
+                next_tick = max(next_tick, agents.answered_until())
             if now >= next_tick:
                 next_tick = now + HEARTBEAT_S / 2
                 agents.tick(now)

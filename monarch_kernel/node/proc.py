@@ -48,7 +48,7 @@ from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.core.transport import gpu_count
 from monarch_kernel.core.wire import PLAIN_TYPES
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
-from monarch_kernel.node import fanout
+from monarch_kernel.node import fanlink, fanout
 from monarch_kernel.node.held_replies import HOLD_S, HeldReplies
 from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
 from monarch_kernel.telemetry.worker import ProcTelemetry
@@ -117,6 +117,8 @@ class ProcWorker:
         self.agent = cfg["agent"]   # the agent's address: how the mesh names this proc's host
         self.agent_link = cfg.get("agent_ipc") or self.agent   # how this proc talks to it (ipc on its host)
         self.gather = cfg.get("gather")   # the agent's gather inbox: replies of fanned calls (fanout.py)
+        self.link_path = cfg.get("fan_link")   # where its agent takes fan links (fanlink.py)
+        self.link: fanlink.ProcLink | None = None   # fanned calls, their replies and output
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
         self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
@@ -177,14 +179,18 @@ class ProcWorker:
         # lean path (one C pickle, signed in one pass), through the agent when the call was fanned.
         msg = ("out", self.rank, stream, text)
         try:
-            route = fanout.output_route(self.gather, self.busy_call, sink[0])
+            busy = self.busy_call
+            route = fanout.output_route(self.gather, busy, sink[0])
             if route is not None:
+                if self.link is not None:
+                    self.link.send_output(sink[0], busy[1], msg)
+                    return
                 if not self.rt.transport.send_plain_routed(self.gather, route, sink[1], msg):
                     frames = self.rt.keyring.stamp(self.rt.pack(sink[1], msg), wire.dest_id(self.gather))
                     self.rt.send_frames(self.gather, [route, *frames])
                 return
             self.rt.send_plain(sink[0], sink[1], msg)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, OSError):   # (its agent gone: this proc goes with it)
             pass
 
     def _send_skipped(self, sink) -> None:
@@ -264,9 +270,17 @@ class ProcWorker:
     # ---------------------------------------------------------------- the main loop
     def serve(self) -> int:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
+        if self.link_path:   # before "ready": every fanned call then comes on the link
+            try:
+                self.link = fanlink.ProcLink(self.link_path, self.rt.keyring, self.key, self.proc_key)
+            except OSError as e:
+                print(f"[rank {self.rank}] no fan link ({e}): fanned calls come over zmq", file=sys.__stderr__)
         self.rt.agent_send(self.agent_link, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
                            self.rt.curve_public)
+        if self.link is not None:
+            self.rt.serve_work_while_waiting(work, self._nested_work, (self.link.fd, self._nested_link))
+            return self._serve_linked()
         self.rt.serve_work_while_waiting(work, self._nested_work)
         deferred, held, clock = self.deferred, self._held, time.perf_counter
         while self.running:
@@ -311,17 +325,91 @@ class ProcWorker:
             self.send_held_replies()
         return 0
 
+    def _serve_linked(self) -> int:
+        """``serve``'s loop for a proc with a fan link: it waits on the link and the work inbox
+        at once, and takes each message as the zmq-only loop does."""
+        opener, work, recv, link = self.rt.keyring.open, self.work, wire.recv_message, self.link
+        deferred, held, clock = self.deferred, self._held, time.perf_counter
+        lfd = link.fd
+        items, zpoll = [(lfd, _POLLIN), (work, _POLLIN)], zmq.zmq_poll
+        while self.running:
+            if deferred:
+                if held:
+                    self.send_held_replies()
+                msg = deferred.popleft()
+                if msg[0] == "call":
+                    self.deferred_for[msg[1]] -= 1
+                self._dispatch_work(msg)
+                continue
+            try:
+                if held:   # replies held: take the next message only if it is already here
+                    ready = zpoll(items, 0)
+                    if not ready:
+                        self.send_held_replies()
+                        continue
+                    queued = True
+                else:
+                    t0 = clock()
+                    ready = zpoll(items, -1)
+                    queued = clock() - t0 < _QUEUED_S
+                for src, _ in ready:
+                    if src == lfd:
+                        try:
+                            msg = link.read()
+                        except EOFError:   # the agent is gone (its procs die with it)
+                            return 0
+                        if msg is None:
+                            continue   # more records of it to come
+                    else:
+                        try:
+                            frames = recv(work, _NOBLOCK)
+                        except zmq.Again:
+                            continue
+                        msg = opener(frames, "work inbox")
+                    self._take(msg, queued)
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived after its call finished
+        if held:
+            self.send_held_replies()
+        return 0
+
+    def _take(self, msg, queued: bool) -> None:
+        if msg is None or type(msg) is not tuple:
+            self._answer_load_failure(msg)
+            return   # dropped (logged by the opener)
+        if msg[0] == "call":   # (the usual message: no getattr by name)
+            try:
+                self.do_call(msg, queued)
+            except KeyboardInterrupt:
+                pass
+            return
+        if self._held:
+            self.send_held_replies()
+        self._dispatch_work(msg)
+
     def _dispatch_work(self, msg) -> None:
         try:
             getattr(self, "do_" + msg[0])(msg)
         except KeyboardInterrupt:
             pass
 
+    def _nested_link(self) -> None:
+        """``_nested_work`` for the fan link: it is readable while this thread waits."""
+        try:
+            msg = self.link.read()
+        except EOFError:
+            self.running = False
+            return
+        if msg is not None:
+            self._nested_msg(msg)
+
     def _nested_work(self, frames) -> None:
         """Work that arrives while this main thread waits in get() inside an endpoint: run it
         now, unless it is for an actor already running below us on this thread (it waits, in
         order, for the main loop), so a sync endpoint may call actors of its own proc."""
-        msg = self.rt.keyring.open(frames, "work inbox")
+        self._nested_msg(self.rt.keyring.open(frames, "work inbox"))
+
+    def _nested_msg(self, msg) -> None:
         if msg is None or type(msg) is not tuple:
             self._answer_load_failure(msg)
             return
@@ -626,7 +714,7 @@ class ProcWorker:
             return
         if fanout.fanned(self.gather, reply_to):   # back through the agent, batched per host
             fanout.send_fanned_reply(self.rt, self.gather, self.key, reply_to, call_id, self.proc_key, ok, value,
-                                     lambda e: self._unsendable(value, e))
+                                     lambda e: self._unsendable(value, e), self.link)
             return
         reply_to = fanout.real_address(reply_to)
         try:
@@ -693,6 +781,7 @@ class ProcWorker:
 
 _FAN_PREFIX = fanout.FAN_PREFIX
 _NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
 _QUEUED_S = 20e-6  # a blocking recv back within this: the message was already waiting
 QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
 

@@ -122,6 +122,10 @@ class ProcWorker:
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
         self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
+        # Calls that overtook their actor's spawn (another way here: a spawn through the agent,
+        # a call_one straight to this proc): actor id -> [first seen, [messages]] (_wait_spawn)
+        self.unborn: dict[str, list] = {}
+        self.never_born: collections.OrderedDict = collections.OrderedDict()   # waited for in vain
         self.interrupting = None           # the call our interrupt is aimed at (a KeyboardInterrupt there is ours)
         self.stream_to_client = True       # ProcMesh.logging_option(stream_to_client=...)
         self._kill_exc: dict = {}          # actor id -> what its async endpoint raised, until it is stopped
@@ -301,6 +305,10 @@ class ProcWorker:
                         continue
                     queued = True
                 else:
+                    if self.unborn:
+                        waiting = work.poll(self._unborn_timeout_ms())
+                        if self._give_up_unborn() or not waiting:
+                            continue
                     t0 = clock()
                     frames = recv(work)
                     # Back at once: more calls were queued (a pipeline), so this call's reply may
@@ -350,8 +358,10 @@ class ProcWorker:
                     queued = True
                 else:
                     t0 = clock()
-                    ready = zpoll(items, -1)
+                    ready = zpoll(items, -1 if not self.unborn else self._unborn_timeout_ms())
                     queued = clock() - t0 < _QUEUED_S
+                    if self.unborn and self._give_up_unborn():
+                        continue   # (what is ready stays ready)
                 for src, _ in ready:
                     if src == lfd:
                         try:
@@ -471,12 +481,58 @@ class ProcWorker:
             self.busy_call, self.state = None, "idle"
         self.actors[aid] = ActorSlot(obj, name, ctx, owner)
         self._reply(reply_to, call_id, True, None)
+        if self.unborn:
+            self._born(aid)
+
+    def _wait_spawn(self, aid: str, msg) -> bool:
+        """A call for an actor this proc never had: its spawn may still be on its way (the
+        two went different ways: a spawn of many procs through the agent's fan link, a
+        call_one over zmq; each sender's order holds only on one way). Keep the call until
+        the spawn has run (_born), at most UNBORN_WAIT_S; False: answer it as gone now."""
+        if aid in self.never_born:
+            return False
+        w = self.unborn.get(aid)
+        if w is None:
+            if len(self.unborn) >= 1000:
+                return False
+            w = self.unborn[aid] = [time.monotonic(), []]
+        w[1].append(msg)
+        return True
+
+    def _born(self, aid: str) -> None:
+        """``aid``'s spawn ran (or failed): the calls that waited for it run next, in order."""
+        w = self.unborn.pop(aid, None)
+        if w is None:
+            return
+        for msg in reversed(w[1]):
+            self.deferred.appendleft(msg)
+            self.deferred_for[msg[1]] += 1
+
+    def _unborn_timeout_ms(self) -> int:
+        """How long the work loop may block: until the oldest waiting call gives up (-1: none)."""
+        if not self.unborn:
+            return -1
+        oldest = min(w[0] for w in self.unborn.values())
+        return max(1, int((oldest + UNBORN_WAIT_S - time.monotonic()) * 1000) + 1)
+
+    def _give_up_unborn(self) -> bool:
+        """Calls that waited UNBORN_WAIT_S for their spawn are answered (gone); True if any."""
+        now = time.monotonic()
+        late = [a for a, w in self.unborn.items() if now - w[0] >= UNBORN_WAIT_S]
+        for aid in late:
+            self.never_born[aid] = None
+            if len(self.never_born) > 1000:
+                self.never_born.popitem(last=False)
+            self._born(aid)
+        return bool(late)
 
     def _init_failed(self, aid, name, owner, reply_to, call_id, err: ActorError) -> None:
         """The spawner's future fails (the controller reports it from there); a spawning
         actor's ``__supervise__`` hears of it too."""
         self._gone(aid, name, f"its __init__ failed: {err.message}", err)
         self._reply(reply_to, call_id, False, err)
+        if self.unborn:
+            self._born(aid)
         if owner is not None:
             self._tell_owner(owner, aid, self._failure(name, f"actor failed to start: {err.message}"), err)
 
@@ -495,6 +551,8 @@ class ProcWorker:
         _, aid, method, args, kwargs, reply_to, call_id, _src = msg   # messages.Call, in field order (hot path)
         slot = self.actors.get(aid)
         if slot is None:
+            if aid not in self.failed and self._wait_spawn(aid, msg):
+                return
             name, why, cause = self.failed.get(aid, (aid, "it was stopped, or failed to start", None))
             err = ActorError(f"actor mesh '{name}' is gone from this proc: {why}", rank=self.rank, host=self.host,
                              actor=f"{name}.{method.lstrip(EXPLICIT_PORT_MARK)}",
@@ -784,6 +842,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _QUEUED_S = 20e-6  # a blocking recv back within this: the message was already waiting
 QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
+UNBORN_WAIT_S = 5.0   # a call for an actor this proc never had waits this long for its spawn
 
 
 def _method_entry(slot: ActorSlot, method: str) -> tuple:

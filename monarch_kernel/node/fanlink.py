@@ -74,7 +74,7 @@ _EPOLLIN, _EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 # record kinds (lower case: the whole message in one record; upper case: a head record)
 CALL, HELLO, ACK, REPLY, OUTPUT = 0x63, 0x68, 0x6B, 0x72, 0x6F   # c h k r o
 _MULTI = 0x20   # lower -> upper case
-_unpack_meta = _META.unpack_from
+_unpack_meta, _pack_meta = _META.unpack_from, _META.pack
 _loads = pickle.loads
 
 
@@ -229,20 +229,25 @@ class ProcLink:
         return None
 
     def _route(self, dest: str, call_id: int, ok: bool) -> bytes:
-        d = self._dests.get(dest)
-        if d is None:
-            if len(self._dests) > 64:
-                self._dests.clear()
-            d = self._dests[dest] = dest.encode()
-        return _META.pack(call_id, ok, len(d)) + d
+        d = self._dests.get(dest) or self._dest(dest)
+        return _pack_meta(call_id, ok, len(d)) + d
+
+    def _dest(self, dest: str) -> bytes:
+        if len(self._dests) > 64:
+            self._dests.clear()
+        d = self._dests[dest] = dest.encode()
+        return d
 
     def send_reply(self, dest: str, call_id: int, ok: bool, vheader, vbufs=()) -> None:
         """A fanned call's reply: its value pickled apart (the agent never unpickles it)."""
-        meta = self._route(dest, call_id, ok)
-        if not vbufs and len(meta) + len(vheader) < RECORD_MAX - 1:
-            self._send1(b"".join((b"r", meta, vheader)))
-        else:
-            self._send(records(REPLY, [meta, vheader, *vbufs]))
+        d = self._dests.get(dest) or self._dest(dest)
+        if not vbufs and len(d) + len(vheader) < RECORD_MAX - 16:   # the usual reply: one record
+            rec = b"".join((b"r", _pack_meta(call_id, ok, len(d)), d, vheader))
+            with self.lock:
+                self.sock.send(rec)
+                self.sent += 1
+            return
+        self._send(records(REPLY, [_pack_meta(call_id, ok, len(d)) + d, vheader, *vbufs]))
 
     def send_output(self, dest: str, call_id: int, msg: tuple) -> None:
         """Output written while a fanned call runs (messages.Output as a literal)."""

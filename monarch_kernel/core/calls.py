@@ -252,16 +252,17 @@ class Calls:
     """Pending calls by id, how many calls each proc owes (``outstanding``, for choose()),
     the dead procs and their errors, and the failures still to surface."""
 
-    def __init__(self, waiter: Callable, wake_reader: Callable[[], None]):
+    def __init__(self, waiter: Callable, wake_reader: Callable[[], None], fanned_waiter: Callable | None = None):
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
         self._waiter = waiter            # Future.get waits through it (Inbox.wait_for)
-        # ... and a fanned call's through Inbox.wait_long (its replies take milliseconds).
-        self._long_waiter = getattr(getattr(waiter, "__self__", None), "wait_long", waiter)
+        # ... and a fanned call's through Inbox.wait_fanned (its replies take milliseconds).
+        self._fanned_waiter = fanned_waiter or waiter
         self._wake_reader = wake_reader  # a thread blocked on the inbox must re-check its future
         self.outstanding = Outstanding(self)
         self._big: dict[int, PendingCall] = {}   # calls of BIG members or more: not in the counter
         self._indexes: dict[tuple, tuple] = {}   # recent big calls' members -> their index (shared)
+        self._parts: tuple | None = None   # the last set_parts (hosts, keys, parts): a loop of calls shares it
         self.dead: dict[str, SupervisionError] = {}
         self.death_listeners: list[Callable[[str, SupervisionError], None]] = []
         self.replied_before_death: dict[str, set] = {}   # proc -> calls whose reply is on its way
@@ -392,8 +393,13 @@ class Calls:
         if p is None or type(p) is not PendingCall:
             return
         keys = p.keys
-        p.parts = {ks[0]: at if at >= 0 and keys[at:at + len(ks)] == ks else ks for at, ks in hosts}
-        p.future.set_waiter(self._long_waiter)
+        kept = self._parts
+        if kept is not None and kept[0] is hosts and kept[1] is keys:   # the same send as the last one
+            p.parts = kept[2]   # (read only)
+        else:
+            p.parts = {ks[0]: at if at >= 0 and keys[at:at + len(ks)] == ks else ks for at, ks in hosts}
+            self._parts = (hosts, keys, p.parts)
+        p.future.set_waiter(self._fanned_waiter)
 
     def on_summary(self, call_id: int, first: str, mask: bytes, ok: bool, value, values=None) -> None:
         """One host's members of a call answered ``value`` (or ``values``, one each), where

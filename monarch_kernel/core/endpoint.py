@@ -8,7 +8,6 @@ anything is sent.
 from __future__ import annotations
 
 import threading
-from operator import attrgetter
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from . import fanout, wire
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
     from .mesh import ActorMesh, ActorMeshState
 
 SPAWN_TIMEOUT_S = 120.0
-_KEY = attrgetter("key")
 T = TypeVar("T")
 
 def _ready_to_send(am, rt):
@@ -73,8 +71,7 @@ class Endpoint(Generic[T]):
         if err is not None and (am.failed_ranks is None or not am.failed_ranks.isdisjoint(ranks)):
             _consume_unhandled(rt, err)
             raise err
-        refs = ps.check(ranks)
-        keys = list(map(_KEY, refs))
+        refs, keys = ps.members(ranks)   # (read-only: kept for the next call)
         what = self._what
         if reply:
             call_id, pending = rt.new_call(keys, extent, mode, what)

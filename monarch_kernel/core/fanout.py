@@ -102,7 +102,7 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     fan_min = config.FANOUT_MIN.get() if _routes and len(refs) > 1 else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
-        hosts, starts, keys, wire_keys = _hosts_of(refs)
+        hosts, starts, keys, wire_keys, parts, local_all = _hosts_of(refs)
         groups = dict(hosts)
         for agent in hosts:   # a big send goes through every agent: 32 hosts x 8 too
             if agent not in _routes:
@@ -114,8 +114,8 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
         fanned = (*msg[:reply_at], FAN_PREFIX + msg[reply_at], *msg[reply_at + 1:])
         # Same-host tensor handles need every receiver here; one proc a host tells (an
         # agent's procs share its host). ``local``: how many receivers will pull them.
-        local = (sum(map(len, groups.values())) if wire.LARGE_TENSOR_HOOK is not None
-                 and all(is_local(g[0].work) for g in groups.values()) else 0)
+        whole = len(groups) == len(hosts)   # (the usual case: what _hosts_of kept holds)
+        local = 0 if wire.LARGE_TENSOR_HOOK is None else local_all if whole else _local(groups)
         inner = wire.dumps(fanned, local)
         bufs = [pickle.PickleBuffer(b) for b in inner[1:]]
     frames = rt.pack(key, msg, [r.work for r in direct]) if direct else None
@@ -124,7 +124,7 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
             keys = {agent: keys[agent] for agent in groups}
             wire_keys = {agent: wire_keys[agent] for agent in groups}
         if call_id:   # where each host's members sit in the call, for its summaries (``_on_batch``)
-            rt.calls.set_parts(call_id, [(starts[a], ks) for a, ks in keys.items()])
+            rt.calls.set_parts(call_id, parts if whole else [(starts[a], ks) for a, ks in keys.items()])
         width = config.FANOUT_TREE_WIDTH.get() if len(groups) > 1 else 0
         if width and len(groups) > width:
             sid = next(_sids)
@@ -142,13 +142,21 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
         rt.send_frames(r.work, frames)
 
 
-def _hosts_of(refs: list) -> tuple[dict, dict, dict, dict]:
+def _local(groups: dict) -> int:
+    """How many receivers will pull same-host tensor handles: all of ``groups``' members when
+    every host of them is this one (one proc a host tells: an agent's procs share its host),
+    else none."""
+    return sum(map(len, groups.values())) if all(is_local(g[0].work) for g in groups.values()) else 0
+
+
+def _hosts_of(refs: list) -> tuple[dict, dict, dict, dict, list, int]:
     """``refs`` by host agent: {agent: its members}, {agent: their first place in refs, or
     -1 where they are not adjacent}, {agent: their keys}, {agent: their keys as its envelope
-    carries them (joined by NUL for an agent that reads that)}. Cached per list of members
-    (a call to all sends to the same members each time; 256 of them took ~70 µs to group,
-    and their keys as a list ~20 µs more to pickle): the cache is checked by comparing
-    the lists, which is a pointer compare per member."""
+    carries them (joined by NUL for an agent that reads that)}, [(first place, keys)] a host
+    (``Calls.set_parts``), and ``_local`` of them all. Cached per list of members (a call to
+    all sends to the same members each time; 256 of them took ~70 µs to group, and their
+    keys as a list ~20 µs more to pickle): the cache is checked by comparing the lists,
+    which is a pointer compare per member."""
     plan = _plans.get((len(refs), id(refs[0]), id(refs[-1])))
     if plan is not None and plan[0] == refs:
         return plan[1]
@@ -165,7 +173,8 @@ def _hosts_of(refs: list) -> tuple[dict, dict, dict, dict]:
             starts[agent] = -1
         at += len(run)
     keys = {agent: list(map(_KEY, members)) for agent, members in groups.items()}
-    out = groups, starts, keys, {agent: "\0".join(ks) if agent in _joined else ks for agent, ks in keys.items()}
+    out = (groups, starts, keys, {agent: "\0".join(ks) if agent in _joined else ks for agent, ks in keys.items()},
+           [(starts[agent], ks) for agent, ks in keys.items()], _local(groups))
     if len(_plans) >= 64:
         _plans.clear()
     _plans[(len(refs), id(refs[0]), id(refs[-1]))] = (list(refs), out)   # (its refs keep the ids taken)

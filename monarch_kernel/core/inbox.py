@@ -10,8 +10,8 @@ Every thread that touches the runtime, and what it may do:
     starts): send (transport.py: a PUSH socket per thread and destination) and wait.
     A thread blocked in ``Future.get`` reads the inbox itself (``wait_for``, leader /
     follower below), so its reply wakes it directly instead of through a second thread;
-    but on a fanned call (replies in milliseconds, in a host's batch) it leaves the inbox
-    to the I/O thread and is woken once (``wait_long``).
+    but on a long fanned call (replies in tens of milliseconds, in a host's batch) it
+    leaves the inbox to the I/O thread and is woken once (``wait_fanned``, ``wait_long``).
     Work for the agent links is handed to the I/O thread with ``call_in_io`` (a queue
     and a byte on a wake pipe).
   * **a proc's main thread** (node/proc.py) runs user code; waiting inside an endpoint it
@@ -47,6 +47,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums co
 _NOBLOCK = int(zmq.NOBLOCK)
 _get_ident = threading.get_ident
 _SHORT_POLL_MS = 10   # the I/O thread's poll while a user thread reads the inbox (or just did): _poll_ms
+LONG_WAIT_S = 0.01    # a thread's fanned wait that took this long: its next one goes through wait_long
 
 
 class Inbox:
@@ -84,6 +85,8 @@ class Inbox:
         self._long_poll = False              # the I/O thread sleeps past 2 ms: kick it on release
         self._handed: dict[int, _Waker] = {}   # threads waiting on a long call (wait_long)
         self._wakers: dict[int, _Waker] = {}   # each thread's, kept between its waits
+        self._slow_fanned: set[int] = set()    # threads whose last fanned wait was long (wait_fanned)
+        self._deferred: list[_Waker] = []      # woken by the I/O thread just before it polls (_Waker)
         # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
         self._nested_work: tuple | None = None
         self._nested_thread: int | None = None
@@ -143,7 +146,7 @@ class Inbox:
         me = threading.get_ident()
         next_tick = 0.0
         while not self._closing:
-            have = False
+            have = heard = False
             if not self._wanted and (self._handed or time.monotonic() - self._released_at > 0.001):
                 have = lock.acquire(blocking=False)
                 if have and self._wanted:
@@ -152,13 +155,17 @@ class Inbox:
             try:
                 if have:
                     self._holder = me
-                events = (poller_in if have else poller).poll(self._poll_ms(have, next_tick))
+                timeout = self._poll_ms(have, next_tick)
+                if self._deferred:
+                    self._wake_deferred()
+                events = (poller_in if have else poller).poll(timeout)
                 self._long_poll = False
             except zmq.ZMQError:
                 if have:
                     self._holder = None
                     lock.release()
                 if self._closing:
+                    self._wake_deferred()
                     return
                 raise
             try:
@@ -180,14 +187,26 @@ class Inbox:
                         link = agents.owns(sock)
                         if link is not None:
                             agents.on_socket(link)
+                            heard = True
             finally:
                 if have:
                     self._holder = None
                     lock.release()
             now = time.monotonic()
+            if heard:   # every agent answered: no tick before the next heartbeat is due
+                next_tick = max(next_tick, agents.answered_until())
             if now >= next_tick:
                 next_tick = now + HEARTBEAT_S / 2
                 agents.tick(now)
+        self._wake_deferred()
+
+    def _wake_deferred(self) -> None:
+        """(I/O thread) Wake the threads whose futures it resolved since its last poll, now
+        that it is about to drop the GIL in poll: woken at once, a waiter found the GIL still
+        held and slept on it a second time (2 more context switches a call to all)."""
+        deferred = self._deferred
+        while deferred:
+            deferred.pop().wake()
 
     @staticmethod
     def _drain(inbox, opener, dispatch) -> None:
@@ -213,9 +232,10 @@ class Inbox:
 
     def _poll_ms(self, have: bool, next_tick: float) -> int:
         """How long the I/O thread may sleep in poll. While a user thread has read the inbox
-        for over 10 ms (a call to hundreds of procs), it sleeps up to the next heartbeat tick
-        (at most 50 ms) instead of waking to see whether the inbox came back: the waiter kicks
-        it when it lets go (``_unwant``). Shorter waits keep _SHORT_POLL_MS polls, so
+        for over 10 ms (a long call), it sleeps up to the next heartbeat tick instead of waking
+        to see whether the inbox came back: the waiter kicks it when it lets go (``_unwant``).
+        (A wake costs ~50 µs of CPU on this VM: a 50 ms cap woke it 20 times a second through
+        a 5 s ``call_one``.) Shorter waits keep _SHORT_POLL_MS polls, so
         back-to-back small calls cost no kick; after the last of them, what nobody waits for
         (output, a callback's reply) is read within that time. 10 ms rather than 2: a
         ``call_one`` loop woke the I/O thread (and took the GIL from the caller) every 2 ms,
@@ -236,7 +256,7 @@ class Inbox:
         if not self._wanted:   # let go meanwhile (it saw no long poll to kick): stay short
             self._long_poll = False
             return _SHORT_POLL_MS
-        return max(2, min(50, int((next_tick - now) * 1000)))
+        return max(2, int((next_tick - now) * 1000) + 1)
 
     def _want(self) -> None:
         with self._want_lock:
@@ -259,6 +279,29 @@ class Inbox:
             self._wake_self()
 
     # ----------------------------------------------------------------- waiting on the inbox
+    def wait_fanned(self, fut: Future, timeout: float | None) -> None:
+        """``Future.get`` on a fanned call (its hosts' batches, core/fanout.py). A short one
+        (a few procs a host, or cores enough for them: ~1 ms) is read by the waiting thread
+        itself (``wait_for``: its one wake; the hand-off of ``wait_long`` added a wake of the
+        I/O thread and ~0.1 ms of CPU to a call to 4 procs here). A long one (hundreds of
+        procs on 2 cores: 10-50 ms) goes through ``wait_long``: a waiter holding the inbox
+        that long costs the I/O thread a wake to see it and a kick to take it back, more than
+        the one wake of the waiter. Which: as this thread's previous fanned wait went (a loop
+        of calls to one mesh takes about as long each time)."""
+        me = _get_ident()
+        slow = self._slow_fanned
+        t0 = time.monotonic()
+        try:
+            if me in slow:
+                self.wait_long(fut, timeout)
+            else:
+                self.wait_for(fut, timeout)
+        finally:
+            if time.monotonic() - t0 >= LONG_WAIT_S:
+                slow.add(me)
+            else:
+                slow.discard(me)
+
     def wait_long(self, fut: Future, timeout: float | None) -> None:
         """``wait_for`` for a call whose replies take milliseconds (a fanned call: its hosts'
         batches, core/fanout.py): leave the inbox to the I/O thread, which resolves ``fut``
@@ -272,7 +315,7 @@ class Inbox:
         deadline = None if timeout is None else time.monotonic() + timeout
         waker = self._wakers.get(me)
         if waker is None:
-            waker = self._wakers[me] = _Waker()
+            waker = self._wakers[me] = _Waker(self._deferred, self._io_ident)
         waker.on(fut)
         woken = waker.lock
         nested = me in self._handed   # (the wait hook waiting in turn)
@@ -471,12 +514,13 @@ class _Waker:
     is registered on while that is pending, so a wait in slices (``get(0.1)`` in a loop, as
     ``%on_mesh``'s sync path does) adds one callback to it, not one a slice."""
 
-    __slots__ = ("lock", "fut")
+    __slots__ = ("lock", "fut", "_deferred", "_io_ident")
 
-    def __init__(self):
+    def __init__(self, deferred: list, io_ident: int | None):
         self.lock = threading.Lock()
         self.lock.acquire()
         self.fut: Future | None = None
+        self._deferred, self._io_ident = deferred, io_ident   # (Inbox._wake_deferred)
 
     def on(self, fut: Future) -> None:
         if self.fut is not fut:
@@ -486,7 +530,10 @@ class _Waker:
     def _done(self, fut: Future) -> None:
         if self.fut is fut:
             self.fut = None   # (not holding its result alive)
-        self.wake()
+        if _get_ident() == self._io_ident:
+            self._deferred.append(self)   # woken when the I/O thread next polls (_wake_deferred)
+        else:
+            self.wake()
 
     def wake(self) -> None:
         """A stale wake (an earlier future's) only makes the waiter look again."""

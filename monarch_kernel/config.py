@@ -204,6 +204,8 @@ FANOUT_TREE_WIDTH = _declare("FANOUT_TREE_WIDTH", "int", 16, "most host agents o
                               "hosts form a tree (0: no tree)", "controller", minimum=0)
 FANIN_FLUSH_S = _declare("FANIN_FLUSH_S", "float", 0.002, "seconds an agent holds its procs' replies and "
                          "output before sending a batch that is not complete", "agent", minimum=0)
+FAN_LINK = _declare("FAN_LINK", "bool", True, "an agent and its procs carry fanned calls, their replies "
+                    "and output over a raw local socket (node/fanlink.py) instead of zmq", "agent")
 
 # ------------------------------------------------------------------- host agent and procs
 MAX_PROCS = _declare("MAX_PROCS", "int", 0, "most procs one agent runs (0: 8 per core, at least 64)",

@@ -413,11 +413,13 @@ class Inbox:
         from its own work inbox, so a sync endpoint can call another actor of its own proc
         without deadlocking."""
         inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
-        work, handle = self._nested_work
+        work, handle, also = self._nested_work
         events, POLLIN = _EVENTS, _POLLIN
         poller = zmq.Poller()
         poller.register(inbox, POLLIN)
         poller.register(work, POLLIN)
+        if also is not None:
+            poller.register(also[0], POLLIN)
         done = fut.done
         while not done():
             if inbox.getsockopt(events) & POLLIN:
@@ -428,12 +430,16 @@ class Inbox:
             if work.getsockopt(events) & POLLIN:
                 handle(recv(work))
                 continue
-            poller.poll(_ms_left(deadline, fut, timeout))
+            ready = poller.poll(_ms_left(deadline, fut, timeout))
+            if also is not None and any(s == also[0] for s, _ in ready):
+                also[1]()
 
-    def serve_work_while_waiting(self, work_sock, handler: Callable) -> None:
+    def serve_work_while_waiting(self, work_sock, handler: Callable,
+                                 also: tuple[int, Callable[[], None]] | None = None) -> None:
         """(a proc's main thread) While it waits on a future, also pass what arrives on
-        ``work_sock`` to ``handler(frames)``."""
-        self._nested_work = (work_sock, handler)
+        ``work_sock`` to ``handler(frames)``; ``also``: (fd, fn), another inbox of its own (a
+        proc's fan link, node/fanlink.py), fn() reads it when fd is readable."""
+        self._nested_work = (work_sock, handler, also)
         self._nested_thread = threading.get_ident()
 
     # ----------------------------------------------------------------- the wait hook

@@ -2,14 +2,19 @@
 
 Fan-out. The controller sends a call, a spawn or a broadcast for many procs of this host
 to the agent's *fan inbox* once: ``("fan", proc keys, reply contact, call id, the inner
-message's pickled header, its buffers)``, signed for this inbox. The agent checks it, MACs
-the inner message's body once, and stamps it for each proc's work inbox (a signed message
-names its receiving socket, so it cannot be replayed to another; wire.py), then pushes it
-over ipc. The agent holds the mesh key anyway; it never unpickles the inner message.
+message's pickled header, its buffers)``, signed for this inbox. The agent checks it and
+writes the inner message to each proc on that proc's *fan link* (node/fanlink.py: a unix
+socket authenticated once per connection; one system call each way, no zmq I/O thread).
+A proc without a link (MONARCH_KERNEL_FAN_LINK=0) gets it as before: the body MACed once,
+stamped for its work inbox (a signed message names its receiving socket, so it cannot be
+replayed to another; wire.py) and pushed over ipc. The agent never unpickles the inner
+message.
 
 Fan-in. A fanned call carries ``reply_to = "fan+" + controller address``. Its procs send
-the reply, and the output written while they run it, to the agent's *gather inbox* (ipc),
-each message prefixed with a routing frame ``dest \\0 call id``. A fanned reply is
+the reply, and the output written while they run it, on their fan link (a record naming
+``dest`` and the call id; ``_take_reply``/``_take_output``), or without one to the agent's
+*gather inbox* (ipc), each message prefixed with a routing frame ``dest \\0 call id``. A
+fanned reply is
 ``("rv", call id, proc key, ok, value header, value buffers)``: the value pickled on its
 own, so the agent checks the proc's signature and replay stamp and reads the small tuple
 without ever unpickling a user's object (its class may not even import here). The agent
@@ -41,6 +46,7 @@ from monarch_kernel.core import curve, wire
 from monarch_kernel.core.messages import Fan
 from monarch_kernel.core.runtime import host_id, ipc_name, is_local
 from monarch_kernel.core.wire import PLAIN_TYPES
+from monarch_kernel.node import fanlink
 from monarch_kernel.node.fantree import Retained, addr_of, columns, members, replies_in, reroute, seen_before, summarise
 
 log = logging.getLogger("monarch_kernel.agent")
@@ -99,7 +105,7 @@ class FanRelay:
         agent.keyring.accept("gather inbox", wire.dest_id(self.gather_ipc))
         self.to_procs: dict[str, zmq.Socket] = {}     # proc work ipc -> PUSH
         self.held: dict[tuple[str, str], _Held] = {}  # (destination, parent or "") -> what waits
-        self.links: dict[str, tuple] = {}             # address -> (PUSH, its dest id): controllers, agents
+        self.up_links: dict[str, tuple] = {}          # address -> (PUSH, its dest id): controllers, agents
         self.contacts: dict[str, list] = {}           # destination address -> its contact
         self.expected: dict[tuple[str, int], int] = {}   # (dest, call id) -> replies still to come here
         self.up_of: dict[tuple[str, int], str] = {}   # (dest, call id) -> parent agent ("" = direct)
@@ -110,10 +116,16 @@ class FanRelay:
         self.tree = Retained()                        # what went to parents, until they are known safe
         self.fanned = 0
         self.flush_s = config.FANIN_FLUSH_S.get()
+        # Each proc's fan link (node/fanlink.py): its fanned calls go down, and their replies
+        # and output come up, on it; the gather inbox serves procs without one.
+        self.links = fanlink.AgentLinks(agent.keyring, agent.key, ipc_name("link")[len("ipc://"):],
+                                        self._link_ok, self._take_reply, self._take_output) \
+            if config.FAN_LINK.get() else None
+        self._done: dict[int, _Held] = {}   # batches completed while reading (flushed after)
 
     # ---------------------------------------------------------------- for the agent
     def sockets(self) -> tuple:
-        return self.fan_in, self.gather
+        return (self.fan_in, self.gather) + ((self.links.fileno(),) if self.links is not None else ())
 
     def contact(self) -> list:
         return [self.fan_tcp, self.fan_ipc, host_id()]
@@ -124,13 +136,21 @@ class FanRelay:
         return {"fan": self.contact(), "fan_version": 2}
 
     def proc_config(self) -> dict:
-        return {"gather": self.gather_ipc}
+        return {"gather": self.gather_ipc, **({"fan_link": self.links.path} if self.links is not None else {})}
 
     def on_readable(self, sock) -> None:
         if sock is self.fan_in:
             self._drain_fan()
-        else:
+        elif sock is self.gather:
             self._drain_gather()
+        else:
+            self.links.poll()
+            self._flush_done()
+
+    def _link_ok(self, key: str, pid: int) -> bool:
+        """A fan link's hello names proc ``key`` from pid ``pid``: one we are starting?"""
+        p = self.agent.procs.get(key)
+        return p is not None and p.state == "starting" and (not p.pid or p.pid == pid)
 
     def timeout_ms(self, default: int) -> int:
         """How long the agent's poll may sleep: less while a batch waits to be flushed."""
@@ -153,6 +173,11 @@ class FanRelay:
                 self._flush(h)
 
     def forget_proc(self, p) -> None:
+        """Proc ``p`` ended: what it wrote on its link before it did joins the batches (the
+        agent flushes them before it reports the death), then its sockets close."""
+        if self.links is not None:
+            self.links.drain(p.key)
+            self._flush_done()
         ref = p.ref
         s = self.to_procs.pop(ref.work_ipc, None) if ref is not None else None
         if s is not None:
@@ -164,8 +189,10 @@ class FanRelay:
         return list(self.replied.pop(key, ()))
 
     def close(self) -> None:
-        for s in (*self.to_procs.values(), *(link[0] for link in self.links.values()), self.fan_in, self.gather):
+        for s in (*self.to_procs.values(), *(link[0] for link in self.up_links.values()), self.fan_in, self.gather):
             s.close(0)
+        if self.links is not None:
+            self.links.close_all()
 
     def reroute(self, dest: str, lost_contact, calls=None) -> int:
         return reroute(self, dest, lost_contact, calls)
@@ -193,13 +220,23 @@ class FanRelay:
                 continue   # sent again by the controller after our parent was lost: done already
             # Children first: their subtrees start while this host stamps its own procs.
             below = sum(self._forward(child, contact, call_id, header, bufs, sid, summaries) for child in children)
-            sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
+            sealed = recs = None
             sent = 0
             procs, stamp, dest_id, to_procs = agent.procs, agent.keyring.stamp, wire.dest_id, self.to_procs
+            linked = self.links.by_key if self.links is not None else {}
             for key in keys:
                 p = procs.get(key)
                 if p is None or p.state != "alive" or p.ref is None:
                     continue   # dead or stopped: the controller hears that from us, once
+                c = linked.get(key)
+                if c is not None:   # its fan link: unsigned, point to point (fanlink.py)
+                    if recs is None:
+                        recs = fanlink.records(fanlink.CALL, [header, *bufs])
+                    self.links.send(c, recs)
+                    sent += 1
+                    continue
+                if sealed is None:
+                    sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
                 try:
                     addr = p.ref.work_ipc or p.ref.work
                     sock = to_procs.get(addr) or self._to_proc(p.ref)
@@ -261,7 +298,6 @@ class FanRelay:
 
     # ---------------------------------------------------------------- fan-in
     def _drain_gather(self) -> None:
-        done: dict[int, _Held] = {}
         gather, opener, recv = self.gather, self.agent.keyring.open, wire.recv_message
         getsockopt = gather.getsockopt
         for _ in range(10_000):
@@ -278,35 +314,58 @@ class FanRelay:
                 continue
             dest, _, call = route.decode(errors="replace").partition("\0")
             call_id = int(call) if call.isdigit() else 0
-            h = self._held_for(dest, call_id)
-            if h is None:
-                continue   # nobody asked us to gather for it: not ours to forward
-            if not h.items:
-                h.since = time.monotonic()
             if msg[0] == "rv" and len(msg) == 6:
-                _, call_id, key, ok, vheader, vbufs = msg
-                last = self.replied.get(key)
-                if last is None:
-                    last = self.replied[key] = deque(maxlen=32)
-                last.append(call_id)
-                run = h.items[-1] if h.items else None
-                if type(run) is not list or run[1] != call_id:   # a call's replies in a row: one run
-                    run = ["rc", call_id, [], [], [], []]
-                    h.items.append(run)
-                run[2].append(key)
-                run[3].append(ok)
-                run[4].append(vheader)
-                run[5].append(len(vbufs))
-                h.buffers.extend(vbufs)
-                if self._answered(dest, call_id, 1):
-                    done[id(h)] = h
+                _, rcall, key, ok, vheader, vbufs = msg
+                self._take_reply(dest, call_id, key, ok, vheader, vbufs, rcall)
             else:
-                h.items.append(msg)   # output, as the proc wrote it (its route names the call)
-                h.shown += 1
-            if len(h.items) >= MAX_HELD:
-                done[id(h)] = h
-        for h in done.values():
-            self._flush(h)
+                self._take_output(dest, call_id, msg)
+        self._flush_done()
+
+    def _take_reply(self, dest: str, call_id: int, key: str, ok, vheader, vbufs, rcall=None) -> None:
+        """Member ``key``'s reply to ``call_id`` (routed to ``dest``), from its link or the gather
+        inbox: into the batch going that way (complete or full: flushed by _flush_done)."""
+        h = self._held_for(dest, call_id)
+        if h is None:
+            return   # nobody asked us to gather for it: not ours to forward
+        if rcall is not None:
+            call_id = rcall
+        items = h.items
+        if not items:
+            h.since = time.monotonic()
+        last = self.replied.get(key)
+        if last is None:
+            last = self.replied[key] = deque(maxlen=32)
+        last.append(call_id)
+        run = items[-1] if items else None
+        if type(run) is not list or run[1] != call_id:   # a call's replies in a row: one run
+            run = ["rc", call_id, [], [], [], []]
+            items.append(run)
+        run[2].append(key)
+        run[3].append(ok)
+        run[4].append(vheader)
+        run[5].append(len(vbufs))
+        if vbufs:
+            h.buffers.extend(vbufs)
+        if self._answered(dest, call_id, 1) or len(items) >= MAX_HELD:
+            self._done[id(h)] = h
+
+    def _take_output(self, dest: str, call_id: int, msg) -> None:
+        """Output a member wrote while it ran ``call_id``, as it wrote it (order kept)."""
+        h = self._held_for(dest, call_id)
+        if h is None:
+            return
+        if not h.items:
+            h.since = time.monotonic()
+        h.items.append(msg)
+        h.shown += 1
+        if len(h.items) >= MAX_HELD:
+            self._done[id(h)] = h
+
+    def _flush_done(self) -> None:
+        if self._done:
+            done, self._done = self._done, {}
+            for h in done.values():
+                self._flush(h)
 
     def _from_child(self, dest, items, buffers) -> None:
         """A child agent's batch: merged, as it is (user values stay opaque), into ours."""
@@ -376,9 +435,9 @@ class FanRelay:
 
     def _send_to(self, addr: str, msg, contact) -> None:
         """Sign ``msg`` for the inbox at ``addr`` (a controller, or an agent's fan inbox) and push it."""
-        link = self.links.get(addr)
+        link = self.up_links.get(addr)
         if link is None:
-            link = self.links[addr] = self._connect(addr, contact)
+            link = self.up_links[addr] = self._connect(addr, contact)
         agent = self.agent
         frames = agent.keyring.sign(agent.key, wire.dumps(msg), link[1])
         link[0].send_multipart(curve.chunked(frames) if addr[:4] == "tcp:" else frames, copy=False)   # tcp: capped
@@ -413,10 +472,22 @@ _dumps = pickle.dumps
 
 
 def send_fanned_reply(rt, gather: str, key: bytes, reply_to: str, call_id: int, proc_key: str, ok: bool,
-                      value, unsendable) -> None:
+                      value, unsendable, link=None) -> None:
     """A fanned call's reply, through the agent: the value pickled apart (see the module
-    docstring). ``unsendable(error)``: the ActorError to send when the value won't pickle."""
+    docstring), on the proc's fan link when it has one (``link``, fanlink.ProcLink), else
+    signed to the gather inbox. ``unsendable(error)``: the ActorError to send when the value
+    won't pickle."""
     dest = reply_to[len(FAN_PREFIX):]
+    if link is not None:
+        if type(value) in PLAIN_TYPES:
+            link.send_reply(dest, call_id, ok, _dumps(value, 5))
+            return
+        try:
+            vframes = wire.dumps(value, 1 if is_local(dest) else 0)
+        except Exception as e:
+            ok, vframes = False, wire.dumps(unsendable(e))
+        link.send_reply(dest, call_id, ok, vframes[0], vframes[1:])
+        return
     if type(value) in PLAIN_TYPES:
         # The usual reply (None, a number, a string): what call_one's lean reply does, through
         # the agent. A plain value pickles with pickle.dumps as with our picklers (wire.plain),

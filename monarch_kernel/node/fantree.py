@@ -220,7 +220,7 @@ def reroute(relay, dest: str, lost_contact, calls=None) -> int:
         if v == lost:
             relay.last_up[d] = ""
     h = relay.held.pop((dest, lost), None)
-    link = relay.links.pop(lost, None)
+    link = relay.up_links.pop(lost, None)
     if link is not None:
         link[0].close(0)
     items, buffers = relay.tree.take(dest, lost, None if calls is None else set(calls))

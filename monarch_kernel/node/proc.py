@@ -12,6 +12,7 @@ import asyncio
 import collections
 import inspect
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -48,7 +49,7 @@ from monarch_kernel.core.textsink import TextSink
 from monarch_kernel.core.transport import gpu_count
 from monarch_kernel.core.wire import PLAIN_TYPES
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
-from monarch_kernel.node import fanout
+from monarch_kernel.node import fanlink, fanout
 from monarch_kernel.node.held_replies import HOLD_S, HeldReplies
 from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
 from monarch_kernel.telemetry.worker import ProcTelemetry
@@ -117,9 +118,15 @@ class ProcWorker:
         self.agent = cfg["agent"]   # the agent's address: how the mesh names this proc's host
         self.agent_link = cfg.get("agent_ipc") or self.agent   # how this proc talks to it (ipc on its host)
         self.gather = cfg.get("gather")   # the agent's gather inbox: replies of fanned calls (fanout.py)
+        self.link_path = cfg.get("fan_link")   # where its agent takes fan links (fanlink.py)
+        self.link: fanlink.ProcLink | None = None   # fanned calls, their replies and output
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
         self.actors: dict[str, ActorSlot] = {}
         self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
+        # Calls that overtook their actor's spawn (another way here: a spawn through the agent,
+        # a call_one straight to this proc): actor id -> [first seen, [messages]] (_wait_spawn)
+        self.unborn: dict[str, list] = {}
+        self.never_born: collections.OrderedDict = collections.OrderedDict()   # waited for in vain
         self.interrupting = None           # the call our interrupt is aimed at (a KeyboardInterrupt there is ours)
         self.stream_to_client = True       # ProcMesh.logging_option(stream_to_client=...)
         self._kill_exc: dict = {}          # actor id -> what its async endpoint raised, until it is stopped
@@ -177,14 +184,18 @@ class ProcWorker:
         # lean path (one C pickle, signed in one pass), through the agent when the call was fanned.
         msg = ("out", self.rank, stream, text)
         try:
-            route = fanout.output_route(self.gather, self.busy_call, sink[0])
+            busy = self.busy_call
+            route = fanout.output_route(self.gather, busy, sink[0])
             if route is not None:
+                if self.link is not None:
+                    self.link.send_output(sink[0], busy[1], msg)
+                    return
                 if not self.rt.transport.send_plain_routed(self.gather, route, sink[1], msg):
                     frames = self.rt.keyring.stamp(self.rt.pack(sink[1], msg), wire.dest_id(self.gather))
                     self.rt.send_frames(self.gather, [route, *frames])
                 return
             self.rt.send_plain(sink[0], sink[1], msg)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, OSError):   # (its agent gone: this proc goes with it)
             pass
 
     def _send_skipped(self, sink) -> None:
@@ -264,9 +275,17 @@ class ProcWorker:
     # ---------------------------------------------------------------- the main loop
     def serve(self) -> int:
         opener, work, recv = self.rt.keyring.open, self.work, wire.recv_message
+        if self.link_path:   # before "ready": every fanned call then comes on the link
+            try:
+                self.link = fanlink.ProcLink(self.link_path, self.rt.keyring, self.key, self.proc_key)
+            except OSError as e:
+                print(f"[rank {self.rank}] no fan link ({e}): fanned calls come over zmq", file=sys.__stderr__)
         self.rt.agent_send(self.agent_link, self.key, "ready", self.proc_key, os.getpid(), self.work_addr,
                            self.rt.address, self.work_ipc, self.rt.ipc_address, self.rt.host_id,
                            self.rt.curve_public)
+        if self.link is not None:
+            self.rt.serve_work_while_waiting(work, self._nested_work, (self.link.fd, self._nested_link))
+            return self._serve_linked()
         self.rt.serve_work_while_waiting(work, self._nested_work)
         deferred, held, clock = self.deferred, self._held, time.perf_counter
         while self.running:
@@ -287,6 +306,10 @@ class ProcWorker:
                         continue
                     queued = True
                 else:
+                    if self.unborn:
+                        waiting = work.poll(self._unborn_timeout_ms())
+                        if self._give_up_unborn() or not waiting:
+                            continue
                     t0 = clock()
                     frames = recv(work)
                     # Back at once: more calls were queued (a pipeline), so this call's reply may
@@ -311,17 +334,96 @@ class ProcWorker:
             self.send_held_replies()
         return 0
 
+    def _serve_linked(self) -> int:
+        """``serve``'s loop for a proc with a fan link: it waits on the link and the work inbox
+        at once, and takes each message as the zmq-only loop does."""
+        opener, work, recv, link = self.rt.keyring.open, self.work, wire.recv_message, self.link
+        deferred, held, clock = self.deferred, self._held, time.perf_counter
+        lfd = link.fd
+        items, zpoll = [(lfd, _POLLIN), (work, _POLLIN)], zmq.zmq_poll
+        while self.running:
+            if deferred:
+                if held:
+                    self.send_held_replies()
+                msg = deferred.popleft()
+                if msg[0] == "call":
+                    self.deferred_for[msg[1]] -= 1
+                self._dispatch_work(msg)
+                continue
+            try:
+                if held:   # replies held: take the next message only if it is already here
+                    ready = zpoll(items, 0)
+                    if not ready:
+                        self.send_held_replies()
+                        continue
+                    queued = True
+                else:
+                    t0 = clock()
+                    ready = zpoll(items, -1 if not self.unborn else self._unborn_timeout_ms())
+                    queued = clock() - t0 < _QUEUED_S
+                    if self.unborn and self._give_up_unborn():
+                        continue   # (what is ready stays ready)
+                for src, _ in ready:
+                    if src == lfd:
+                        try:
+                            msg = link.read()
+                        except EOFError:   # the agent is gone (its procs die with it)
+                            return 0
+                        if msg is None:
+                            continue   # more records of it to come
+                    else:
+                        try:
+                            frames = recv(work, _NOBLOCK)
+                        except zmq.Again:
+                            continue
+                        msg = opener(frames, "work inbox")
+                    if type(msg) is tuple and msg and msg[0] == "call":   # (the usual message)
+                        self.do_call(msg, queued)
+                    else:
+                        self._take(msg, queued)
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived after its call finished
+        if held:
+            self.send_held_replies()
+        return 0
+
+    def _take(self, msg, queued: bool) -> None:
+        if msg is None or type(msg) is not tuple:
+            self._answer_load_failure(msg)
+            return   # dropped (logged by the opener)
+        if msg[0] == "call":   # (the usual message: no getattr by name)
+            try:
+                self.do_call(msg, queued)
+            except KeyboardInterrupt:
+                pass
+            return
+        if self._held:
+            self.send_held_replies()
+        self._dispatch_work(msg)
+
     def _dispatch_work(self, msg) -> None:
         try:
             getattr(self, "do_" + msg[0])(msg)
         except KeyboardInterrupt:
             pass
 
+    def _nested_link(self) -> None:
+        """``_nested_work`` for the fan link: it is readable while this thread waits."""
+        try:
+            msg = self.link.read()
+        except EOFError:
+            self.running = False
+            return
+        if msg is not None:
+            self._nested_msg(msg)
+
     def _nested_work(self, frames) -> None:
         """Work that arrives while this main thread waits in get() inside an endpoint: run it
         now, unless it is for an actor already running below us on this thread (it waits, in
         order, for the main loop), so a sync endpoint may call actors of its own proc."""
-        msg = self.rt.keyring.open(frames, "work inbox")
+        self._nested_msg(self.rt.keyring.open(frames, "work inbox"))
+
+    def _nested_msg(self, msg) -> None:
         if msg is None or type(msg) is not tuple:
             self._answer_load_failure(msg)
             return
@@ -383,12 +485,58 @@ class ProcWorker:
             self.busy_call, self.state = None, "idle"
         self.actors[aid] = ActorSlot(obj, name, ctx, owner)
         self._reply(reply_to, call_id, True, None)
+        if self.unborn:
+            self._born(aid)
+
+    def _wait_spawn(self, aid: str, msg) -> bool:
+        """A call for an actor this proc never had: its spawn may still be on its way (the
+        two went different ways: a spawn of many procs through the agent's fan link, a
+        call_one over zmq; each sender's order holds only on one way). Keep the call until
+        the spawn has run (_born), at most UNBORN_WAIT_S; False: answer it as gone now."""
+        if aid in self.never_born:
+            return False
+        w = self.unborn.get(aid)
+        if w is None:
+            if len(self.unborn) >= 1000:
+                return False
+            w = self.unborn[aid] = [time.monotonic(), []]
+        w[1].append(msg)
+        return True
+
+    def _born(self, aid: str) -> None:
+        """``aid``'s spawn ran (or failed): the calls that waited for it run next, in order."""
+        w = self.unborn.pop(aid, None)
+        if w is None:
+            return
+        for msg in reversed(w[1]):
+            self.deferred.appendleft(msg)
+            self.deferred_for[msg[1]] += 1
+
+    def _unborn_timeout_ms(self) -> int:
+        """How long the work loop may block: until the oldest waiting call gives up (-1: none)."""
+        if not self.unborn:
+            return -1
+        oldest = min(w[0] for w in self.unborn.values())
+        return max(1, int((oldest + UNBORN_WAIT_S - time.monotonic()) * 1000) + 1)
+
+    def _give_up_unborn(self) -> bool:
+        """Calls that waited UNBORN_WAIT_S for their spawn are answered (gone); True if any."""
+        now = time.monotonic()
+        late = [a for a, w in self.unborn.items() if now - w[0] >= UNBORN_WAIT_S]
+        for aid in late:
+            self.never_born[aid] = None
+            if len(self.never_born) > 1000:
+                self.never_born.popitem(last=False)
+            self._born(aid)
+        return bool(late)
 
     def _init_failed(self, aid, name, owner, reply_to, call_id, err: ActorError) -> None:
         """The spawner's future fails (the controller reports it from there); a spawning
         actor's ``__supervise__`` hears of it too."""
         self._gone(aid, name, f"its __init__ failed: {err.message}", err)
         self._reply(reply_to, call_id, False, err)
+        if self.unborn:
+            self._born(aid)
         if owner is not None:
             self._tell_owner(owner, aid, self._failure(name, f"actor failed to start: {err.message}"), err)
 
@@ -407,6 +555,8 @@ class ProcWorker:
         _, aid, method, args, kwargs, reply_to, call_id, _src = msg   # messages.Call, in field order (hot path)
         slot = self.actors.get(aid)
         if slot is None:
+            if aid not in self.failed and self._wait_spawn(aid, msg):
+                return
             name, why, cause = self.failed.get(aid, (aid, "it was stopped, or failed to start", None))
             err = ActorError(f"actor mesh '{name}' is gone from this proc: {why}", rank=self.rank, host=self.host,
                              actor=f"{name}.{method.lstrip(EXPLICIT_PORT_MARK)}",
@@ -446,6 +596,14 @@ class ProcWorker:
         if tel.enabled:
             tel.record_call(slot.name, method, args, time.time() - took, took, ok, value)
         if exc is None and not explicit and type(call_id) is int and call_id:
+            link = self.link
+            if (link is not None and type(value) in PLAIN_TYPES and type(reply_to) is str
+                    and reply_to.startswith(_FAN_PREFIX) and not self._held and not self.stdout._buf
+                    and not self.stderr._buf and not self.output_limit.skipped):
+                # The usual fanned reply (a plain value): what _reply -> fanout.send_fanned_reply
+                # does for it, inline (per proc per call, at 256 procs a frame costs).
+                link.send_reply(reply_to[_FAN_PREFIX_LEN:], call_id, ok, _dumps(value, 5))
+                return
             if queued and quick and type(value) in PLAIN_TYPES and type(reply_to) is str:
                 self._hold_reply(reply_to, call_id, ok, value)
                 return
@@ -626,7 +784,7 @@ class ProcWorker:
             return
         if fanout.fanned(self.gather, reply_to):   # back through the agent, batched per host
             fanout.send_fanned_reply(self.rt, self.gather, self.key, reply_to, call_id, self.proc_key, ok, value,
-                                     lambda e: self._unsendable(value, e))
+                                     lambda e: self._unsendable(value, e), self.link)
             return
         reply_to = fanout.real_address(reply_to)
         try:
@@ -692,9 +850,13 @@ class ProcWorker:
 
 
 _FAN_PREFIX = fanout.FAN_PREFIX
+_FAN_PREFIX_LEN = len(_FAN_PREFIX)
+_dumps = pickle.dumps
 _NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
 _QUEUED_S = 20e-6  # a blocking recv back within this: the message was already waiting
 QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
+UNBORN_WAIT_S = 5.0   # a call for an actor this proc never had waits this long for its spawn
 
 
 def _method_entry(slot: ActorSlot, method: str) -> tuple:

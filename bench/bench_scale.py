@@ -13,6 +13,9 @@ For each N (one host agent, N procs), JSON lines {"system", "metric", "value", "
     every line has reached the controller (the reply follows its rank's output);
   * on_mesh_trivial_cell_p50_ms: a ``%%on_mesh`` cell ``x = 1`` on N ranks through a real
     kernel (jupyter_client), kernel-side (from the kernel starting the request to its reply);
+    on_mesh_trivial_cell_kernel_cpu_ms / _mesh_cpu_ms: CPU per such cell of the kernel
+    process and of its mesh (agent, zygote, procs), which a shared machine disturbs less
+    (bench/cell_cpu.py breaks both down and compares source trees);
   * ipyparallel_bcast_1KB_p50_us / _1MB / ipyparallel_call_all_p50_us /
     ipyparallel_start_s: the same broadcast with ipyparallel's DirectView
     (``apply_sync``) to N engines on this host, started and stopped by this script
@@ -198,12 +201,41 @@ def kernel_cells(ns: list[int], cells: int = 20) -> None:
             k.ok(f"%mesh connect {name} --procs {n}", timeout=600)
             for _ in range(3):
                 k.ok("%%on_mesh\nx = 1")
+            kernel, mesh = _cpu_ns(k)
             s = [k.ok("%%on_mesh\nx = 1").kernel_seconds for _ in range(cells)]
+            kernel2, mesh2 = _cpu_ns(k)
             emit("on_mesh_trivial_cell_p50_ms", statistics.median(s) * 1e3, "ms", n=n, cells=cells)
+            emit("on_mesh_trivial_cell_kernel_cpu_ms", (kernel2 - kernel) / cells / 1e6, "ms", n=n, cells=cells,
+                 note="CPU of the kernel process, every thread, per cell")
+            emit("on_mesh_trivial_cell_mesh_cpu_ms", (mesh2 - mesh) / cells / 1e6, "ms", n=n, cells=cells,
+                 note="CPU of the agent, zygote and procs together, per cell")
             k.ok(f"%mesh stop {name}", timeout=120)
             names.remove(name)
     finally:
         k.close(stop_meshes=tuple(names))
+
+
+def _cpu_ns(k) -> tuple[int, int]:
+    """Run time (ns, /proc/PID/task/*/schedstat) of the kernel process and of the other
+    processes under its MONARCH_KERNEL_HOME (its agent, zygote and procs)."""
+    from kernel_harness import home_processes
+
+    def of(pid: int) -> int:
+        total = 0
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return 0
+        for t in tids:
+            try:
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:
+                pass
+        return total
+
+    kernel = k.km.provisioner.process.pid
+    return of(kernel), sum(of(p) for p in home_processes(k.env["MONARCH_KERNEL_HOME"]) if p != kernel)
 
 
 def ipyparallel_bcast(n: int) -> None:

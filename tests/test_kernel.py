@@ -142,6 +142,24 @@ def test_display_of_a_figure_then_close_shows_it(k):
     assert "[rank 1] <Figure size" in r.data("display_data")[0]["data"]["text/plain"]
 
 
+def test_a_flush_with_nothing_written_does_not_wait_and_text_still_comes_before_a_display(k):
+    """ipykernel hands each flush to its I/O thread and waits (both streams, several times a
+    cell, and before every display); the Monarch kernel skips that when a stream holds no
+    text. Text written before a display still arrives before it."""
+    r = k.ok("import sys\nout = sys.stdout\nhanded = []\nreal = out.pub_thread.schedule\n"
+             "out.pub_thread.schedule = lambda f: (handed.append(f), real(f))[1]\n"
+             "try:\n    for _ in range(5):\n        out.flush()\n        sys.stderr.flush()\n"
+             "    idle = len(handed)\n    print('before')\n    out.flush()\n    written = len(handed) - idle\n"
+             "finally:\n    out.pub_thread.schedule = real\n"
+             "from IPython.display import display, HTML\ndisplay(HTML('<b>shown</b>'))\nprint('after')\n"
+             "print(idle, written > 0)")
+    assert r.stdout.splitlines()[-1] == "0 True", r.stdout   # ipykernel alone: 20 hand-offs
+    kinds = [(m["msg_type"], m["content"].get("text", "")) for m in r.outputs]
+    first_display = next(i for i, (t, _) in enumerate(kinds) if t == "display_data")
+    assert "before" in "".join(text for t, text in kinds[:first_display]), kinds
+    assert "after" not in "".join(text for t, text in kinds[:first_display]), kinds
+
+
 # ----------------------------------------------------------------------- errors
 def test_same_error_on_every_rank_is_shown_once_with_the_cells_lines(k):
     r = k.run("%%on_mesh\nz = 1\n1 / 0")
@@ -158,6 +176,19 @@ def test_a_mesh_cell_is_named_after_its_own_prompt_number(k):
     r = k.run("%%on_mesh --ranks 0\n1 / 0")
     n = r.reply["content"]["execution_count"]
     assert f'File "<In [{n}] on mesh>", line 1' in "\n".join(r.error["traceback"])   # was In [n+1]
+
+
+def test_the_same_cell_run_again_is_named_after_its_new_prompt_number(k):
+    """Each proc compiles a cell's text once and keeps it (node/cells.py): a rerun, and the
+    function the cell defines, still point at the rerun's own cell and lines."""
+    code = "%%on_mesh --ranks 0,1\ndef f(d):\n    return 1 / d\nf(rank - rank)"
+    for _ in range(2):
+        r = k.run(code)
+        n = r.reply["content"]["execution_count"]
+        tb = "\n".join(r.error["traceback"])
+        assert f'File "<In [{n}] on mesh>", line 2, in f' in tb and "return 1 / d" in tb, tb
+        assert f'File "<In [{n - 1}] on mesh>"' not in tb, tb
+    assert k.ok("%%on_mesh --ranks 0,1\nrank * 10").result == k.ok("%%on_mesh --ranks 0,1\nrank * 10").result
 
 
 def test_differing_errors_each_once_and_other_ranks_results_kept(k):

@@ -100,6 +100,15 @@ def test_a_cell_on_many_ranks_shows_progress_then_a_one_line_summary(k):
     assert summaries(r) and re.match(rf"\[on_mesh\] {N} ranks: {N - 1} ok, 1 failed", summaries(r)[-1])
 
 
+def test_a_quick_silent_cell_on_many_ranks_shows_only_its_summary(k):
+    """No progress line for a cell that ends before the first one is due (1 s), nor any
+    rank's output; its one-line summary still says how it went."""
+    r = k.ok("%%on_mesh\nx = 1")
+    assert r.stdout == "" and r.stderr == ""
+    assert [m["msg_type"] for m in r.outputs] == ["display_data"]
+    assert re.fullmatch(rf"\[on_mesh\] {N} ranks: {N} ok, 0 failed, [\d.]+ s", summaries(r)[0])
+
+
 def test_a_flood_of_output_is_rate_limited_and_spilled_to_the_logs(k):
     """8 ranks x 10,000 lines: the notebook gets a bounded number of lines and messages,
     the kernel's memory stays bounded, and the cell says how many lines are in the logs."""

@@ -53,16 +53,19 @@ class CellProgress:
         from ..core.errors import ActorError
         from ..core.runtime import runtime
         from ..node.cells import CellFailure
+        from .on_mesh import any_failed
 
         rt = runtime()
         fut, n = self.run.future, len(self.run.ranks)
         answered: list[tuple[bool, object]] | None = None
         if fut.done():
             err = fut.exception(0)
-            if err is None:
-                answered = [(True, v) for v in fut.get(0).values()]
-            elif getattr(err, "results", None) is not None:
-                answered = [(True, v) for v in err.results.values()]
+            values = fut.get(0).values() if err is None else (
+                err.results.values() if getattr(err, "results", None) is not None else None)
+            if values is not None:   # every rank answered: count the failed ones, if any
+                failed = sum(1 for v in values if isinstance(v, (CellFailure, ActorError))) \
+                    if any_failed(values) else 0
+                return n, 0, failed
         else:
             answered = rt.answered_so_far(fut)
         procs = state_of(self.run.procs).procs

@@ -7,9 +7,14 @@ debugger. At start it loads ``%load_ext monarch_kernel`` and, unless
 and its warm zygote in the background, so ``%mesh connect`` does not wait for Python and
 torch to import. On shutdown or restart, meshes with procs are left running (detached,
 kept for their lease); an agent that was only prewarmed is stopped, and widgets still
-shown become a line of text (transient.py).
+shown become a line of text (transient.py). Its stdout and stderr skip a flush when they
+hold no text (output.flush_only_text: ipykernel waits for its I/O thread on each flush, and
+flushes both streams several times a cell).
 """
 from __future__ import annotations
+
+import logging
+import sys
 
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Type
@@ -17,6 +22,7 @@ from traitlets import Type
 from monarch_kernel import config
 
 from .. import __version__
+from .output import flush_only_text
 from .session import session
 
 
@@ -33,6 +39,9 @@ class MonarchKernel(IPythonKernel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._cells_running = 0
+        _drop_unhandled_debug_records(self.log)
+        for stream in (sys.stdout, sys.stderr):   # ipykernel's streams, set up before the kernel
+            flush_only_text(stream)
         self.shell.extension_manager.load_extension("monarch_kernel")
         try:
             prewarm = config.PREWARM.get()
@@ -71,3 +80,14 @@ class MonarchKernel(IPythonKernel):
         except Exception as e:
             self.log.warning("leaving the mesh failed: %s", e)
         return super().do_shutdown(restart)
+
+
+def _drop_unhandled_debug_records(log) -> None:
+    """traitlets leaves the kernel app's logger at DEBUG and filters in its handlers, so each
+    of ipykernel's debug lines (four a cell) builds a record that every handler drops. Raise
+    the logger to its handlers' lowest level; a change of ``log_level`` reconfigures both."""
+    if not isinstance(log, logging.Logger) or not log.handlers:
+        return
+    lowest = min(h.level for h in log.handlers)
+    if log.level < lowest:
+        log.setLevel(lowest)

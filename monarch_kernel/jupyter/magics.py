@@ -289,7 +289,7 @@ class MeshMagics(Magics):
         ns["_on_mesh"] = result
         if args.out:
             ns[args.out] = result
-        if all(v is None for v in values):
+        if values.count(None) == len(values):
             return None
         return result
 

@@ -245,10 +245,20 @@ def _hold_s() -> float:
     return config.HOLD_S.get()
 
 
+FAILED = (CellFailure, ActorError)
+
+
+def any_failed(values) -> bool:
+    """Did a rank raise? One look per distinct type of value, not per rank."""
+    return any(issubclass(t, FAILED) for t in set(map(type, values)))
+
+
 def outcome(run: _Run, values) -> CellValues:
     """The ValueMesh of a finished run; raises the grouped error if any rank failed."""
     extent = view_of(run.target).extent
     result = CellValues(extent, values, run.ranks)
+    if not any_failed(values):
+        return result
     groups: dict[tuple[str, str], list] = {}
     for r, v in zip(run.ranks, values, strict=False):
         if isinstance(v, CellFailure):

@@ -295,7 +295,11 @@ class OutputRouter:
                                                            update=update))
 
     def flush(self) -> None:
+        """Send the text the notebook's streams hold, so a display goes after it (a stream
+        that holds none is left alone: see ``holds_text``)."""
         for s in (sys.stdout, sys.stderr):
+            if not holds_text(s):
+                continue
             try:
                 s.flush()
             except Exception:
@@ -312,3 +316,29 @@ class OutputRouter:
             fn()
         finally:
             obj.reset_thread_parent(token)
+
+
+def holds_text(stream) -> bool:
+    """Has ``stream`` text to send? ipykernel's ``OutStream.flush`` from the kernel's main
+    thread hands the flush to its I/O thread and waits for it, twice a stream, even with
+    nothing to send (ipykernel flushes both streams several times a cell). Its buffers say;
+    a stream that is not ipykernel's, or echoes to a terminal, is assumed to hold some."""
+    buffers = getattr(stream, "_buffers", None)
+    if not isinstance(buffers, dict) or getattr(stream, "echo", None) is not None:
+        return True
+    return any(b.tell() for b in list(buffers.values()))
+
+
+def flush_only_text(stream) -> None:
+    """Make ``stream.flush()`` return at once when the stream holds no text (``holds_text``);
+    what was written is still sent first, as before."""
+    if getattr(stream, "_buffers", None) is None or getattr(stream.flush, "only_text", False):
+        return
+    real = stream.flush
+
+    def flush() -> None:
+        if holds_text(stream):
+            real()
+
+    flush.only_text = True
+    stream.flush = flush

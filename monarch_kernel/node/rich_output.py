@@ -109,8 +109,9 @@ def send(data: dict, metadata: dict) -> None:
 def send_open_figures(skip_displayed: bool = True) -> None:
     """Send every open figure (not already display()ed in this cell) and close them all."""
     plt = sys.modules.get("matplotlib.pyplot")
-    if plt is None:
-        _SHOWN.clear()
+    if plt is None:   # after every cell on every rank: nothing to do, at the least cost
+        if _SHOWN.data:
+            _SHOWN.clear()
         return
     for num in plt.get_fignums():
         fig = plt.figure(num)

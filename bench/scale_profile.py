@@ -91,22 +91,22 @@ def roles() -> dict[str, list[int]]:
 
 
 def snapshot(r: dict) -> dict:
-    """Every role's (CPU ns, context switches)."""
+    """Every role's (CPU ns, context switches); the controller is read first, so what the
+    rest of the reading costs it (``_cost``, thread CPU) falls between this snapshot and
+    the next one and is taken off there (``diff``)."""
+    out = {"controller": [tasks_cpu(p) for p in r["controller"]]}
     t0 = time.thread_time_ns()
-    out = {role: [tasks_cpu(p) for p in pids] for role, pids in r.items()}
-    _last_read[0] = time.thread_time_ns() - t0
+    out.update({role: [tasks_cpu(p) for p in pids] for role, pids in r.items() if role != "controller"})
+    out["_cost"] = time.thread_time_ns() - t0
     return out
-
-
-_last_read = [0]   # CPU ns the latest snapshot cost this process (taken off the controller's figure)
 
 
 def diff(a: dict, b: dict, per: float) -> dict:
     out = {}
-    for role in a:
+    for role in r_roles(a):
         cpu = [(y[0] - x[0]) / per for x, y in zip(a[role], b[role])]
-        if role == "controller":   # the second snapshot's own reading is not the controller's work
-            cpu[0] -= _last_read[0] / per
+        if role == "controller":   # snapshot a's reading of the others is not the controller's work
+            cpu[0] -= a["_cost"] / per
         cs = [(y[1] - x[1]) / per for x, y in zip(a[role], b[role])]
         out[role] = {"cpu_us": round(sum(cpu) / 1e3, 1), "ctx_switches": round(sum(cs), 2)}
         if role == "procs" and cpu:
@@ -114,6 +114,10 @@ def diff(a: dict, b: dict, per: float) -> dict:
             out[role]["ctx_switches_per_proc_p50"] = round(statistics.median(cs), 2)
     out["total_cpu_us"] = round(sum(v["cpu_us"] for v in out.values()), 1)
     return out
+
+
+def r_roles(snap: dict) -> list[str]:
+    return [k for k in snap if not k.startswith("_")]
 
 
 def emit(**kw) -> None:

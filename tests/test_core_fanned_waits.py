@@ -4,10 +4,12 @@ call). A quick one is read by the waiting thread itself (one wake); after one th
 when it is about to poll, so the waiter does not sleep again on the GIL). Either way the
 wait hook runs in the waiting thread and a timeout leaves the call running. The heartbeat
 ticks have nothing to do between two heartbeats that were answered, and a same-machine
-agent's end is seen through its pidfd.
+agent's end is seen through its pidfd, which a closed runtime does not leave open.
 """
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,7 @@ from monarch_kernel.actor import Actor, endpoint, this_host
 from monarch_kernel.core import agent_links
 from monarch_kernel.core.agent_links import AgentLink, AgentLinks
 from monarch_kernel.core.inbox import LONG_WAIT_S
-from monarch_kernel.core.runtime import runtime
+from monarch_kernel.core.runtime import Runtime, runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -134,3 +136,37 @@ def test_a_same_machine_agent_that_ended_is_seen_through_its_pidfd_zombie_or_not
         child.wait()
         link.close_pid()
     assert link._pidfd is None
+
+
+def _pidfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        except OSError:
+            pass
+    return n
+
+
+def test_a_closed_runtime_leaves_no_pidfd_of_its_agents_behind():
+    before = _pidfds()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for _ in range(3):   # kernels and tests make several runtimes in one process
+            rt = Runtime()
+            try:
+                port = socket.socket()
+                port.bind(("127.0.0.1", 0))
+                addr = f"tcp://127.0.0.1:{port.getsockname()[1]}"
+                port.close()
+                rt.watch_agent(addr, b"k" * 32, child.pid)
+                watched = threading.Event()
+                rt.call_in_io(watched.set)   # (after the watch: the I/O thread runs them in order)
+                assert watched.wait(10)
+                assert _pidfds() == before + 1
+            finally:
+                rt.close()
+            assert _pidfds() == before
+    finally:
+        child.kill()
+        child.wait()

@@ -160,6 +160,12 @@ class AgentLinks:
             link.sock.close(0)
             link.close_pid()
 
+    def close(self) -> None:
+        """(I/O thread, as the runtime closes) Close what the links hold besides their sockets
+        (which the context's destroy closes): their agents' pidfds."""
+        for link in self.links.values():
+            link.close_pid()
+
     # ----------------------------------------------------------------- what agents send
     def owns(self, sock) -> AgentLink | None:
         return next((lk for lk in self.links.values() if lk.sock is sock), None)

@@ -137,6 +137,14 @@ class Inbox:
 
     # ----------------------------------------------------------------- the I/O thread
     def _io_loop(self):
+        try:
+            self._serve()
+        finally:
+            self._wake_deferred()
+            if self._closing:
+                self._agents.close()   # (the links' pidfds; the context's destroy closes their sockets)
+
+    def _serve(self):
         """Poll agents and the wake pipe always; the inbox only while no user thread waits
         on it (and not within 1 ms of one letting go, so back-to-back calls don't churn)."""
         from .agent_links import HEARTBEAT_S
@@ -165,7 +173,6 @@ class Inbox:
                     self._holder = None
                     lock.release()
                 if self._closing:
-                    self._wake_deferred()
                     return
                 raise
             try:
@@ -198,7 +205,6 @@ class Inbox:
             if now >= next_tick:
                 next_tick = now + HEARTBEAT_S / 2
                 agents.tick(now)
-        self._wake_deferred()
 
     def _wake_deferred(self) -> None:
         """(I/O thread) Wake the threads whose futures it resolved since its last poll, now

@@ -260,3 +260,35 @@ def test_a_call_one_sent_right_after_a_spawn_through_the_agent_reaches_the_new_a
             assert a.slice(gpus=i % 5).rank.call_one().get(30) == i % 5
     finally:
         pm.stop()
+
+
+class Counter(Actor):
+    def __init__(self):
+        self.seen: list = []
+
+    @endpoint
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @endpoint
+    def note(self, i: int, pad: bytes) -> None:
+        self.seen.append(i)
+
+    @endpoint
+    def seen_in_order(self) -> int:
+        return len(self.seen) if self.seen == list(range(len(self.seen))) else -1
+
+
+def test_calls_for_a_busy_proc_wait_in_its_agent_in_order_when_its_socket_is_full(linked):
+    """More fanned calls than a proc's socket holds while it is busy: the agent keeps the
+    rest (it never blocks: its other procs and heartbeats go on) and writes them as the proc
+    reads, in order."""
+    pm, _ = linked
+    c = pm.spawn("counter", Counter)
+    nap = c.nap.call(3.0)
+    pad = b"p" * 4000
+    n = 1500   # ~6 MB: more than a socket's 2 MB send buffer
+    for i in range(n):
+        c.note.broadcast(i, pad)
+    nap.get(60)
+    assert c.seen_in_order.call().get(60).values() == [n] * 6

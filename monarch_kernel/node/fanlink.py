@@ -65,7 +65,7 @@ log = logging.getLogger("monarch_kernel.fanlink")
 
 RECORD_MAX = 32 * 1024     # bytes in one record
 SNDBUF = 1 << 20           # each end's send buffer (the kernel caps it at net.core.wmem_max)
-HELLO_TIMEOUT_S = 10.0     # a proc waits this long for its agent's ack, then goes without a link
+HELLO_TIMEOUT_S = 30.0     # a proc waits this long for its agent's ack, then goes without a link
 _META = struct.Struct("<QBH")   # a reply's or output's route: call id, ok, len(destination)
 _META_SIZE = _META.size
 _COUNT = struct.Struct("<I")
@@ -478,10 +478,14 @@ class AgentLinks:
             log.warning("fan link: refused a connection from pid %d (no valid hello)", c.pid)
             self.close(c)
             return
+        ack = self.keyring.sign(self.key, [pickle.dumps(("ack", msg[1]))], _proc_dest(msg[1]))
+        try:
+            c.sock.send(bytes((ACK,)) + ack[0])
+        except OSError:   # it gave up waiting (HELLO_TIMEOUT_S): it went on without a link
+            self.close(c)
+            return
         c.key = msg[1]
         self.by_key[c.key] = c
-        ack = self.keyring.sign(self.key, [pickle.dumps(("ack", c.key))], _proc_dest(c.key))
-        self.send(c, [bytes((ACK,)) + ack[0]])
 
     # ------------------------------------------------------------ ending
     def drain(self, key: str) -> None:

@@ -141,7 +141,8 @@ def test_a_saved_and_reopened_notebook_shows_no_widget_error(page):
     shot(page, "4b-reopened-debugger-cell")
 
 
-def test_the_launcher_shows_the_kernels_logo(page):
+def _launcher_logo(page):
+    """A new launcher's Monarch card and the <img> of its logo (none: the card shows a letter)."""
     page.evaluate("""async () => { const app = window.jupyterapp;
       const w = await app.commands.execute('launcher:create'); app.shell.activateById(w.id); }""")
     card = page.locator(".jp-LauncherCard[title*='Monarch']:visible").first
@@ -150,6 +151,24 @@ def test_the_launcher_shows_the_kernels_logo(page):
     try:   # the card is drawn before its kernelspec logo loads (CI once counted 0 images)
         img.first.wait_for(timeout=15_000)
     except Exception:
-        pass   # the assert below says what is missing
+        pass   # the assert says what is missing
+    return card, img
+
+
+_SPEC_RESOURCES = """() => { const s = window.jupyterapp.serviceManager.kernelspecs.specs;
+  return JSON.stringify(s && s.kernelspecs.monarch ? s.kernelspecs.monarch.resources : s); }"""
+
+
+def test_the_launcher_shows_the_kernels_logo(page):
+    card, img = _launcher_logo(page)
+    if img.count() == 0:
+        # Seen twice in CI under load, never alone: the card drew a letter. Say what the page
+        # knew of the kernelspec then, and ask once more after a refresh of the specs (a letter
+        # again fails the test).
+        first = (card.inner_html()[:300], page.evaluate(_SPEC_RESOURCES))
+        page.evaluate("() => window.jupyterapp.serviceManager.kernelspecs.refreshSpecs()")
+        shot(page, "5-launcher-letter")
+        card, img = _launcher_logo(page)
+        assert img.count() == 1, f"no logo on the card twice; the first time: {first}"
     assert img.count() == 1 and "logo" in img.get_attribute("src")   # was: a letter "M" like Markdown's
     shot(page, "5-launcher")

@@ -622,16 +622,22 @@ class Keyring:
         try:
             return pickle.loads(header, buffers=bufs)
         except Exception as e:  # a verified message that fails to load: report, don't crash
-            log.error("dropped a message on %s that failed to unpickle: %r", where, e)
-            partial = _lenient_loads(header, bufs)
-            if type(partial) is tuple and len(partial) == 5 and partial[0] == "r":
-                # A reply whose value cannot be loaded here: fail that call, don't leave it waiting.
-                from .errors import ActorError
+            return unloadable(e, header, bufs, where)
 
-                return partial[:3] + (False, ActorError(
-                    f"the result could not be unpickled here: {e!r}. Return plain data, or make its "
-                    "module importable on this side", exc_type=type(e).__name__),)
-            return LoadFailure(e, partial)
+
+def unloadable(e: Exception, header, bufs, where: str):
+    """What a verified message that failed to unpickle (``e``) stands for: a reply whose value
+    cannot be loaded here fails its call (rather than leave it waiting); anything else is a
+    LoadFailure its receiver can answer. Logged, naming ``where`` it came in."""
+    log.error("dropped a message on %s that failed to unpickle: %r", where, e)
+    partial = _lenient_loads(header, bufs)
+    if type(partial) is tuple and len(partial) == 5 and partial[0] == "r":
+        from .errors import ActorError
+
+        return partial[:3] + (False, ActorError(
+            f"the result could not be unpickled here: {e!r}. Return plain data, or make its "
+            "module importable on this side", exc_type=type(e).__name__),)
+    return LoadFailure(e, partial)
 
 
 class LoadFailure:

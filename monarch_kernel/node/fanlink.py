@@ -151,10 +151,8 @@ def load(frames: list):
     it: the tuple, or a wire.LoadFailure the proc answers (a class it cannot import)."""
     try:
         return _loads(frames[0], buffers=frames[1:])
-    except Exception as e:
-        log.error("dropped a message on the fan link that failed to unpickle: %r", e)
-        # (the partial load the work inbox's opener makes too: the proc answers its caller)
-        return wire.LoadFailure(e, wire._lenient_loads(frames[0], frames[1:]))
+    except Exception as e:   # (what the work inbox's opener makes of it too: the proc answers)
+        return wire.unloadable(e, frames[0], frames[1:], "the fan link")
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
@@ -319,9 +317,6 @@ class AgentLinks:
 
     def fileno(self) -> int:
         return self.ep.fileno()
-
-    def linked(self, key: str) -> _Conn | None:
-        return self.by_key.get(key)
 
     # ------------------------------------------------------------ sending (never blocks)
     def send(self, c: _Conn, recs: list) -> None:

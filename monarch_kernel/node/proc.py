@@ -290,12 +290,7 @@ class ProcWorker:
         deferred, held, clock = self.deferred, self._held, time.perf_counter
         while self.running:
             if deferred:
-                if held:
-                    self.send_held_replies()
-                msg = deferred.popleft()
-                if msg[0] == "call":
-                    self.deferred_for[msg[1]] -= 1
-                self._dispatch_work(msg)
+                self._run_deferred()
                 continue
             try:
                 if held:   # replies held: take the next message only if it is already here
@@ -317,19 +312,7 @@ class ProcWorker:
                     queued = clock() - t0 < _QUEUED_S
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived after its call finished
-            msg = opener(frames, "work inbox")
-            if msg is None or type(msg) is not tuple:
-                self._answer_load_failure(msg)
-                continue  # dropped (logged by the opener)
-            if msg[0] == "call":   # (the usual message: no getattr by name)
-                try:
-                    self.do_call(msg, queued)
-                except KeyboardInterrupt:
-                    pass
-                continue
-            if held:
-                self.send_held_replies()
-            self._dispatch_work(msg)
+            self._take(opener(frames, "work inbox"), queued)
         if held:
             self.send_held_replies()
         return 0
@@ -344,12 +327,7 @@ class ProcWorker:
         link_only = items[:1]
         while self.running:
             if deferred:
-                if held:
-                    self.send_held_replies()
-                msg = deferred.popleft()
-                if msg[0] == "call":
-                    self.deferred_for[msg[1]] -= 1
-                self._dispatch_work(msg)
+                self._run_deferred()
                 continue
             try:
                 if held:   # replies held: take the next message only if it is already here
@@ -397,7 +375,17 @@ class ProcWorker:
             self.send_held_replies()
         return 0
 
+    def _run_deferred(self) -> None:
+        """The oldest message kept for later (it came while an actor it was for ran below)."""
+        if self._held:
+            self.send_held_replies()
+        msg = self.deferred.popleft()
+        if msg[0] == "call":
+            self.deferred_for[msg[1]] -= 1
+        self._dispatch_work(msg)
+
     def _take(self, msg, queued: bool) -> None:
+        """A message from the work inbox (or the fan link), opened: run it."""
         if msg is None or type(msg) is not tuple:
             self._answer_load_failure(msg)
             return   # dropped (logged by the opener)

@@ -8,6 +8,7 @@ its pidfd; a closed runtime leaves neither that nor its release timer open.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -65,24 +66,31 @@ def _timed_call(rt, sleepers, s: float = 0.0) -> tuple[float, list[bool]]:
         rt.on_message("rb", real, replace=True)
 
 
-def test_fanned_calls_quick_or_slow_are_read_by_their_waiter_while_the_io_thread_sleeps(sleepers):
-    rt = runtime()
+@contextlib.contextmanager
+def _io_wakes(rt):
+    """The I/O thread's wakes meanwhile (a list that grows; it calls _poll_ms once a wake)."""
     inbox = rt._inbox
-    wakes = []
+    wakes: list = []
     real_poll_ms = inbox._poll_ms
 
-    def counted(have, next_tick):   # (the I/O thread calls it once a wake, before it polls)
+    def counted(have, next_tick):
         wakes.append(have)
         return real_poll_ms(have, next_tick)
     inbox._poll_ms = counted
     try:
+        yield wakes
+    finally:
+        del inbox._poll_ms
+
+
+def test_fanned_calls_quick_or_slow_are_read_by_their_waiter_while_the_io_thread_sleeps(sleepers):
+    rt = runtime()
+    with _io_wakes(rt) as wakes:
         by_waiter = 0
         for i in range(12):
             _, seen = _timed_call(rt, sleepers, 0.03 if i % 4 else 0.0)   # mostly slow: 30 ms
             by_waiter += seen == [False]
         woken = len(wakes)
-    finally:
-        del inbox._poll_ms
     # (a batch may land before the waiter takes the inbox: then the I/O thread reads it. Left to
     # the I/O thread, as after a slow wait before, every slow call's batch woke it: 9 or more.)
     assert by_waiter >= 9, by_waiter
@@ -92,6 +100,19 @@ def test_fanned_calls_quick_or_slow_are_read_by_their_waiter_while_the_io_thread
     done = threading.Event()
     sleepers.nap.call(0.0).add_done_callback(lambda f: done.set())
     assert done.wait(10)
+
+
+def test_the_io_thread_sleeps_through_a_loop_of_5_ms_calls_too(sleepers):
+    rt = runtime()
+    for _ in range(3):
+        sleepers.nap.call(0.004).get(30)
+    with _io_wakes(rt) as wakes:
+        t0 = time.monotonic()
+        for _ in range(20):   # 100 ms or more: its 10 ms short polls woke it 10 times and more
+            assert sleepers.nap.call(0.004).get(30).values() == [1] * 4
+        took = time.monotonic() - t0
+        woken = len(wakes)
+    assert woken <= 4 or woken < took / 0.04, (woken, took)   # (a heartbeat tick or two; a slow machine)
 
 
 def test_a_slow_fanned_wait_runs_the_wait_hook_and_honours_its_timeout(sleepers):

@@ -46,6 +46,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums co
 _NOBLOCK = int(zmq.NOBLOCK)
 _get_ident = threading.get_ident
 _SHORT_POLL_MS = 10   # the I/O thread's poll while a user thread reads the inbox (or just did): _poll_ms
+LONG_HOLD_S = 0.002   # ... unless its last two waits took this long: a loop of such calls (_poll_ms)
 
 
 class Inbox:
@@ -80,6 +81,7 @@ class Inbox:
         self._want_lock = threading.Lock()
         self._released_at = 0.0
         self._wanted_since = 0.0             # when _wanted last went from 0 to 1
+        self._long_holds = 0                 # how many of the last of those lasted LONG_HOLD_S or more, in a row
         self._long_poll = False              # the I/O thread sleeps past 2 ms: wake it after a release
         # ... through this timer, unless the inbox is wanted again first (release_timer.py; None: a kick)
         self._release_timer = open_timer(_SHORT_POLL_MS / 1000)
@@ -235,7 +237,10 @@ class Inbox:
         for over 10 ms (a long call), it sleeps up to the next heartbeat tick instead of waking
         to see whether the inbox came back: the waiter arms the release timer when it lets go
         (``_unwant``), and the next wait, in a loop of calls, disarms it: the I/O thread sleeps
-        through the loop. (A wake costs ~50-200 µs of CPU on this VM: a 50 ms cap woke it 20
+        through the loop. So does a wait that follows two of LONG_HOLD_S or more (a loop of
+        calls to 64 procs, ~5 ms each, woke it every 10 ms: ~35 µs a call; arming and disarming
+        the timer is ~5; two, so that a call_one held up once on a loaded machine does not
+        make the next ones arm it). (A wake costs ~50-200 µs of CPU on this VM: a 50 ms cap woke it 20
         times a second through a 5 s ``call_one``.) Shorter waits keep _SHORT_POLL_MS polls, so
         back-to-back small calls cost no kick; after the last of them, what nobody waits for
         (output, a callback's reply) is read within that time. 10 ms rather than 2: a
@@ -251,7 +256,8 @@ class Inbox:
         if not self._wanted_recently():
             return 100
         now = time.monotonic()
-        if not self._wanted or now - self._wanted_since < 0.01:
+        if not self._wanted or (now - self._wanted_since < 0.01
+                                and (self._long_holds < 2 or self._release_timer is None)):
             return _SHORT_POLL_MS
         self._long_poll = True
         if not self._wanted:   # let go meanwhile (it saw no long poll to wake): stay short
@@ -272,7 +278,9 @@ class Inbox:
         with self._want_lock:
             self._wanted -= 1
             last = not self._wanted
-            self._released_at = time.monotonic()
+            self._released_at = now = time.monotonic()
+            if last:
+                self._long_holds = self._long_holds + 1 if now - self._wanted_since >= LONG_HOLD_S else 0
             if last and self._long_poll:   # the I/O thread sleeps until its next tick
                 if self._release_timer is None:
                     os.write(self._wake_w, b"i")   # it takes the inbox back now

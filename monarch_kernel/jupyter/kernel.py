@@ -22,6 +22,7 @@ from traitlets import Type
 from monarch_kernel import config
 
 from .. import __version__
+from .fast_path import remember_accepted_parameters
 from .output import flush_only_text
 from .session import session
 
@@ -40,6 +41,7 @@ class MonarchKernel(IPythonKernel):
         super().__init__(**kwargs)
         self._cells_running = 0
         _drop_unhandled_debug_records(self.log)
+        remember_accepted_parameters()   # ipykernel reads a signature every cell otherwise
         for stream in (sys.stdout, sys.stderr):   # ipykernel's streams, set up before the kernel
             flush_only_text(stream)
         self.shell.extension_manager.load_extension("monarch_kernel")

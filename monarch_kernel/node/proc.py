@@ -381,7 +381,7 @@ class ProcWorker:
                     if msg is None:
                         continue   # more records of it to come
                     if type(msg) is tuple and msg and msg[0] == "call":   # (the usual message)
-                        self.do_call(msg, queued)
+                        self._fan_call(msg)
                     else:
                         self._take(msg, queued)
             except KeyboardInterrupt:
@@ -594,43 +594,60 @@ class ProcWorker:
         if is_async:
             self._run_async(slot, aid, method, args, kwargs, reply_to, call_id, explicit)
             return
-        # (Each line from here to the reply runs in every proc of a fanned call, on cold caches
-        # at 256 procs on 2 cores: ~0.5 us a line. Keep it short.)
-        token = _CTX.set(slot.ctx)
-        self.busy_call, self.state = (reply_to, call_id), state
-        active = self.active
-        active.append(aid)
-        exc, ours = None, False
-        t0 = _clock()
-        try:
-            value, ok = getattr(slot.obj, method)(*args, **kwargs), True
-        except BaseException as e:
-            value, ok, exc = self._error(e, f"{slot.name}.{method}"), False, e
-            ours = self.interrupting is not None and self.interrupting == self.busy_call
-        finally:
-            active.pop()
-            _CTX.reset(token)
-            self.busy_call, self.state, self.interrupting = None, "idle", None
-        took = _clock() - t0
+        value, ok, exc, ours, took = self._invoke(slot, aid, method, state, args, kwargs, (reply_to, call_id))
         entry[4] = quick = took < QUICK_S
         tel = self.telemetry
         if tel.enabled:
             tel.record_call(slot.name, method, args, _time() - took, took, ok, value)
         if exc is None and not explicit and type(call_id) is int and call_id:
-            link = self.link
-            if (link is not None and type(value) in PLAIN_TYPES and type(reply_to) is str
-                    and reply_to.startswith(_FAN_PREFIX) and not self._held and not self.stdout._buf
-                    and not self.stderr._buf and not self.output_limit.skipped):
-                # The usual fanned reply (a plain value): what _reply -> fanout.send_fanned_reply
-                # does for it, inline (per proc per call, at 256 procs a frame costs).
-                link.send_reply(reply_to[_FAN_PREFIX_LEN:], call_id, ok, _dumps(value, 5))
-                return
+            # (a fanned call on the fan link usually went _fan_call's way)
             if queued and quick and type(value) in PLAIN_TYPES and type(reply_to) is str:
                 self._hold_reply(reply_to, call_id, ok, value)
                 return
             self._reply(reply_to, call_id, ok, value)   # (what _finish_call does for this case)
             return
         self._finish_call(aid, reply_to, call_id, ok, value, explicit, exc, ours)
+
+    def _invoke(self, slot: ActorSlot, aid: str, method: str, state: str, args, kwargs, busy: tuple) -> tuple:
+        """Run a sync endpoint on this main thread: (value, ok, what it raised or None, whether
+        that was our own interrupt, seconds). A raise is made into its ActorError here (the
+        post-mortem debugger stops while the call is still the busy one)."""
+        token = _CTX.set(slot.ctx)
+        self.busy_call, self.state = busy, state
+        active = self.active
+        active.append(aid)
+        t0 = _clock()
+        try:
+            return getattr(slot.obj, method)(*args, **kwargs), True, None, False, _clock() - t0
+        except BaseException as e:
+            value = self._error(e, f"{slot.name}.{method}")
+            return value, False, e, self.interrupting is not None and self.interrupting == self.busy_call, _clock() - t0
+        finally:
+            active.pop()
+            _CTX.reset(token)
+            self.busy_call, self.state, self.interrupting = None, "idle", None
+
+    def _fan_call(self, msg) -> None:
+        """The fan link's usual message: a call fanned through the agent to a sync endpoint,
+        answered on the link. ``do_call``'s way in half its lines: at 256 procs on 2 cores each
+        proc runs each call on cold caches, where a line costs ~0.5 us (issue 11). An actor or
+        method not seen yet, an async or port endpoint, held replies, a broadcast go do_call's
+        way; a raise, a value that is not plain, or output waiting, _finish_call's."""
+        _, aid, method, args, kwargs, reply_to, call_id, _src = msg   # messages.Call, in field order
+        slot = self.actors.get(aid)
+        entry = slot.methods.get(method) if slot is not None else None
+        if (entry is None or entry[1] or entry[2] or self._held or type(call_id) is not int or not call_id
+                or not reply_to.startswith(_FAN_PREFIX)):
+            return self.do_call(msg)
+        name = entry[0]
+        value, ok, exc, ours, took = self._invoke(slot, aid, name, entry[3], args, kwargs, (reply_to, call_id))
+        if self.telemetry.enabled:
+            self.telemetry.record_call(slot.name, name, args, _time() - took, took, ok, value)
+        if ok and type(value) in PLAIN_TYPES and not (self.stdout._buf or self.stderr._buf
+                                                      or self.output_limit.skipped):
+            self.link.send_reply(reply_to[_FAN_PREFIX_LEN:], call_id, True, _dumps(value, 5))
+            return
+        self._finish_call(aid, reply_to, call_id, ok, value, False, exc, ours)
 
     def _response_port(self, reply_to, call_id):
         """What an explicit-response endpoint answers through: the Port given to send(), a

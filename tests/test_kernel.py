@@ -160,6 +160,37 @@ def test_a_flush_with_nothing_written_does_not_wait_and_text_still_comes_before_
     assert "after" not in "".join(text for t, text in kinds[:first_display]), kinds
 
 
+def test_an_on_mesh_cell_skips_ipythons_later_transforms_and_reads_the_same(k):
+    """jupyter/fast_path.py: once our cleanup transform made an %%on_mesh cell one awaited
+    line, IPython's token transforms and prefilter (a re-tokenize, ~0.2 ms a cell) are
+    skipped; every cell still transforms to what IPython's full path gives."""
+    r = k.ok("sh = get_ipython()\nm = sh.input_transformer_manager\nreal = m.do_token_transforms\ntokenized = []\n"
+             "m.do_token_transforms = lambda lines: (tokenized.append(1), real(lines))[1]\n"
+             "cells = ['%%on_mesh\\nx = 1', '\\n\\n%%on_mesh --ranks 0\\ny = 2  # x?\\n!ls\\nz = %time 1\\n',\n"
+             "         '%%on_mesh\\n>>> a = 1\\n>>> a', '%%on_mesh\\n  b = 1', 'x = 1', '%%time\\nx = 1',\n"
+             "         '%%on_meshx\\n1', 'd?', 'v = %who_ls', '  %%on_mesh\\nx = 1']\n"
+             "try:\n    fast = [sh.transform_cell(c) for c in cells[:4]]\n    skipped = len(tokenized)\n"
+             "    same = [sh.transform_cell(c) == sh.transform_cell.full(c) for c in cells]\n"
+             "finally:\n    m.do_token_transforms = real\n"
+             "print(skipped, same, fast[0].startswith('await '))")
+    assert r.stdout.split("\n")[-2] == "0 " + str([True] * 10) + " True", r.stdout
+
+
+def test_a_cells_input_reaches_the_history_file_after_its_reply_or_within_a_second(k):
+    """IPython's history thread wrote a cell's input as the cell started, competing with
+    its start for the CPU and the GIL; now it writes once the cell has replied, or after
+    1 s of a longer cell (jupyter/fast_path.HistoryWrites). ``In`` has it at once, as before."""
+    k.ok("import sqlite3, time\nhm = get_ipython().history_manager\n"
+         "def saved(mark):\n    with sqlite3.connect(str(hm.hist_file)) as c:\n"
+         "        return c.execute('SELECT count(*) FROM history WHERE session=? AND source_raw LIKE ?',\n"
+         "                         (hm.session_number, f'%{mark}%')).fetchone()[0]")
+    r = k.ok("time.sleep(0.3)\nprint(saved('mark-' + 'quick'), 'mark-quick' in In[-1])  # mark-quick")
+    assert r.stdout.split() == ["0", "True"], r.stdout   # was: 1 (written as the cell started)
+    assert k.ok("time.sleep(0.3)\nprint(saved('mark-' + 'quick'))").stdout.split() == ["1"]
+    r = k.ok("time.sleep(1.6)\nprint(saved('mark-' + 'long'))  # mark-long")
+    assert r.stdout.split() == ["1"], r.stdout
+
+
 # ----------------------------------------------------------------------- errors
 def test_same_error_on_every_rank_is_shown_once_with_the_cells_lines(k):
     r = k.run("%%on_mesh\nz = 1\n1 / 0")

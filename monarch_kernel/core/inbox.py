@@ -375,7 +375,14 @@ class Inbox:
         from its own work inbox, so a sync endpoint can call another actor of its own proc
         without deadlocking."""
         inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
-        work, handle, also = self._nested_work
+        work, handle, also, after = self._nested_work
+        try:
+            self._pump_nested_loop(fut, deadline, timeout, inbox, opener, dispatch, recv, work, handle, also)
+        finally:
+            if after is not None:
+                after()
+
+    def _pump_nested_loop(self, fut, deadline, timeout, inbox, opener, dispatch, recv, work, handle, also) -> None:
         events, POLLIN = _EVENTS, _POLLIN
         poller = zmq.Poller()
         poller.register(inbox, POLLIN)
@@ -397,11 +404,14 @@ class Inbox:
                 also[1]()
 
     def serve_work_while_waiting(self, work_sock, handler: Callable,
-                                 also: tuple[int, Callable[[], None]] | None = None) -> None:
+                                 also: tuple[int, Callable[[], None]] | None = None,
+                                 after: Callable[[], None] | None = None) -> None:
         """(a proc's main thread) While it waits on a future, also pass what arrives on
         ``work_sock`` to ``handler(frames)``; ``also``: (fd, fn), another inbox of its own (a
-        proc's fan link, node/fanlink.py), fn() reads it when fd is readable."""
-        self._nested_work = (work_sock, handler, also)
+        proc's fan link, node/fanlink.py), fn() reads it when fd is readable; ``after()`` runs
+        when such a wait ends (it may have left messages in ``work_sock`` that its ZMQ_FD will
+        not signal again: a caller that waits on that FD must then read it until empty)."""
+        self._nested_work = (work_sock, handler, also, after)
         self._nested_thread = threading.get_ident()
 
     # ----------------------------------------------------------------- the wait hook

@@ -219,8 +219,8 @@ class Runtime:
         self.call_in_io(lambda: self._agents.forget(addr))
 
     # ----------------------------------------------------------------- waiting (see inbox.py)
-    def serve_work_while_waiting(self, work_sock, handler: Callable, also=None) -> None:
-        self._inbox.serve_work_while_waiting(work_sock, handler, also)
+    def serve_work_while_waiting(self, work_sock, handler: Callable, also=None, after=None) -> None:
+        self._inbox.serve_work_while_waiting(work_sock, handler, also, after)
 
     @property
     def wait_hook(self):

@@ -22,6 +22,7 @@ from traitlets import Type
 from monarch_kernel import config
 
 from .. import __version__
+from .fast_path import HistoryWrites, remember_accepted_parameters
 from .output import flush_only_text
 from .session import session
 
@@ -40,6 +41,8 @@ class MonarchKernel(IPythonKernel):
         super().__init__(**kwargs)
         self._cells_running = 0
         _drop_unhandled_debug_records(self.log)
+        remember_accepted_parameters()   # ipykernel reads a signature every cell otherwise
+        self._history_writes = HistoryWrites(self.shell.history_manager)   # after the reply
         for stream in (sys.stdout, sys.stderr):   # ipykernel's streams, set up before the kernel
             flush_only_text(stream)
         self.shell.extension_manager.load_extension("monarch_kernel")
@@ -53,10 +56,12 @@ class MonarchKernel(IPythonKernel):
 
     async def execute_request(self, stream, ident, parent):
         self._cells_running += 1
+        self._history_writes.cell_started()
         try:
             return await super().execute_request(stream, ident, parent)
         finally:
             self._cells_running -= 1
+            self._history_writes.cell_ended()
 
     def _publish_status(self, status, channel, parent=None):
         """A widget's comm message handled while a cell runs (the debugger widget drives the

@@ -35,6 +35,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from monarch_kernel.core.mesh import view_of
 
 from ..core.errors import ActorError, MeshGoneError, SupervisionError
+from . import fast_path
 from .display import CellInterrupted, cell_error
 from .on_mesh import _Run, cell_run_args, outcome, output_options, select, supervision_message, values_after_death
 from .output import OutputRouter
@@ -339,6 +340,7 @@ def mesh_help() -> str:
 
 
 # ----------------------------------------------------------------------- the async rewrite
+# (fast_path.ASYNC_PREFIX is its start)
 _ASYNC_CALL = ("await __import__('monarch_kernel.jupyter.magics', fromlist=['_']).on_mesh_async({line!r}, "
                "{body!r})\n")
 
@@ -428,6 +430,7 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(_MAGICS)
     if rewrite_on_mesh_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(rewrite_on_mesh_cell)
+    fast_path.install_transform(ipython)   # the rewritten cell skips IPython's later steps
     for name in OPTIONAL_COMMANDS:
         try:
             find_command(name)
@@ -438,6 +441,7 @@ def load_ipython_extension(ipython) -> None:
 def unload_ipython_extension(ipython) -> None:
     if rewrite_on_mesh_cell in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(rewrite_on_mesh_cell)
+    fast_path.uninstall_transform(ipython)
 
 
 __all__ = ["MESH_COMMANDS", "MeshContext", "MeshGoneError", "mesh_command", "mesh_parser",

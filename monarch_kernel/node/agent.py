@@ -56,6 +56,14 @@ log = logging.getLogger("monarch_kernel.agent")
 
 class Proc:
     __slots__ = ("key", "mesh_id", "mesh_name", "rank", "pid", "ref", "ident", "state", "started")
+    # Counts every change of any proc's ``state`` or ``ref``: the fan-out keeps, per member
+    # list, which procs a fanned call goes to and how, until this moves (node/fanout.py).
+    changes = 0
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name == "state" or name == "ref":
+            Proc.changes += 1
 
     def __init__(self, key, mesh_id, mesh_name, rank):
         self.key, self.mesh_id, self.mesh_name, self.rank = key, mesh_id, mesh_name, rank
@@ -152,6 +160,10 @@ class HostAgent:
     def reply(self, ident, req, ok, value) -> None:
         if req:
             self.send(ident, Rep.make(req, ok, value))
+
+    def proc_changes(self) -> int:
+        """Moves whenever a proc's state or ref changes (FanRelay's routes are kept until then)."""
+        return Proc.changes
 
     def event(self, name, *args) -> None:
         if self.controller is not None:

@@ -18,25 +18,30 @@ A cell runs on every rank, so its per-cell work counts N times on a host's cores
 compiles a source text once and keeps the code (``_compiled``; a later cell with the same
 text gets it under its own filename, so tracebacks and the debugger still name that cell).
 Parsing and compiling ``x = 1`` cost a proc ~100 us with its caches cold (256 procs on 2
-cores), more than the rest of the cell.
+cores), more than the rest of the cell. For the same reason a cell touches as little as it
+can: its lines are split once per text, and figures are looked for only once pyplot is
+imported or a figure was displayed (``send_open_figures``'s own test, without the call).
 """
 from __future__ import annotations
 
 import ast
 import linecache
+import sys
 import traceback
 from types import CodeType
 
 from monarch_kernel.core.actors import Actor, endpoint
 from monarch_kernel.core.context import current_rank
 
-from .rich_output import display, send_open_figures, use_on_this_rank  # noqa: F401  (display: re-exported)
+from .rich_output import SHOWN, display, send_open_figures, use_on_this_rank  # noqa: F401  (display: re-exported)
 
 NAMESPACE: dict = {"__name__": "__on_mesh__"}
 COMPILED_MAX = 256   # source texts kept compiled (the oldest goes first)
 # (source, want_value) -> (the body's code, the last expression's code or None, their filename,
-# whether either defines functions or classes: code of its own to rename)
-_COMPILED: dict[tuple[str, bool], tuple[CodeType, CodeType | None, str, bool]] = {}
+# whether either defines functions or classes: code of its own to rename, the text's lines
+# (one list per text, shared by its cells' linecache entries: read-only))
+_COMPILED: dict[tuple[str, bool], tuple[CodeType, CodeType | None, str, bool, list[str]]] = {}
+_MODULES = sys.modules
 
 
 class CellFailure:
@@ -71,7 +76,6 @@ class CellRunner(Actor):
         lines before ``code`` in the notebook cell (its lines keep their cell numbers)."""
         if line_offset:
             code = "\n" * line_offset + code
-        linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
         try:
             body, last = _compiled(code, filename, want_value)
             exec(body, NAMESPACE)
@@ -84,10 +88,11 @@ class CellRunner(Actor):
         except BaseException as e:   # noqa: B036  (KeyboardInterrupt too: it is the interrupt)
             return self._failure(e, filename)
         finally:
-            try:
-                send_open_figures()
-            except Exception:
-                pass
+            if _MODULES.get("matplotlib.pyplot") is not None or SHOWN.data:   # (most cells: neither)
+                try:
+                    send_open_figures()
+                except Exception:
+                    pass
 
     @endpoint
     def push(self, values: dict) -> None:
@@ -114,11 +119,13 @@ class CellRunner(Actor):
 
 def _compiled(code: str, filename: str, want_value: bool) -> tuple[CodeType, CodeType | None]:
     """The cell's body and, if it ends in a bare expression (and not in ';') and a value is
-    wanted, that expression apart; compiled once per source text, renamed for a new filename."""
+    wanted, that expression apart; compiled once per source text, renamed for a new filename.
+    The text's lines go into linecache under ``filename`` first (tracebacks, the debugger)."""
     key = (code, want_value)
     hit = _COMPILED.get(key)
     if hit is not None:
-        body, last, named, nested = hit
+        body, last, named, nested, lines = hit
+        linecache.cache[filename] = (len(code), None, lines, filename)
         if named == filename:
             return body, last
         if nested:
@@ -128,6 +135,8 @@ def _compiled(code: str, filename: str, want_value: bool) -> tuple[CodeType, Cod
             if last is not None:
                 last = last.replace(co_filename=filename)
     else:
+        lines = code.splitlines(keepends=True)
+        linecache.cache[filename] = (len(code), None, lines, filename)
         tree = ast.parse(code, filename, "exec")
         last = None
         if want_value and tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
@@ -136,7 +145,7 @@ def _compiled(code: str, filename: str, want_value: bool) -> tuple[CodeType, Cod
         nested = any(type(c) is CodeType for co in (body, last) if co is not None for c in co.co_consts)
         if len(_COMPILED) >= COMPILED_MAX:
             del _COMPILED[next(iter(_COMPILED))]
-    _COMPILED[key] = (body, last, filename, nested)
+    _COMPILED[key] = (body, last, filename, nested, lines)
     return body, last
 
 

@@ -73,6 +73,8 @@ _CRED = struct.Struct("3i")     # SO_PEERCRED: pid, uid, gid
 _EPOLLIN, _EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 # record kinds (lower case: the whole message in one record; upper case: a head record)
 CALL, HELLO, ACK, REPLY, OUTPUT = 0x63, 0x68, 0x6B, 0x72, 0x6F   # c h k r o
+_REPLY1 = bytes((REPLY,))
+_NO_RUN = bytes(RECORD_MAX + 1)   # longer than any record: no run of replies yet (AgentLinks.poll)
 _MULTI = 0x20   # lower -> upper case
 _unpack_meta, _pack_meta = _META.unpack_from, _META.pack
 _loads = pickle.loads
@@ -283,10 +285,10 @@ class ProcLink:
 
 # -------------------------------------------------------------------- the agent's end
 class _Conn:
-    __slots__ = ("sock", "fd", "key", "pid", "out", "parts", "want_out")
+    __slots__ = ("sock", "recv", "fd", "key", "pid", "out", "parts", "want_out")
 
     def __init__(self, sock: socket.socket, pid: int):
-        self.sock, self.fd, self.pid = sock, sock.fileno(), pid
+        self.sock, self.recv, self.fd, self.pid = sock, sock.recv, sock.fileno(), pid
         self.key: str | None = None   # the proc's key, once its hello checked out
         self.out: deque = deque()     # records its socket did not take yet
         self.parts: _Parts | None = None
@@ -296,12 +298,14 @@ class _Conn:
 class AgentLinks:
     """The agent's end: a listener, one connection per proc, and one epoll set over them
     (``fileno``: the agent's poll loop watches it). Callbacks, on the agent's loop thread:
-    ``on_reply(dest, call_id, key, ok, vheader, vbufs)``, ``on_output(dest, call_id, msg)``;
+    ``on_replies(dest, call_id, ok, keys, vheaders, vbufs=())`` (replies alike but for their
+    value: several procs' plain ones, or one proc's with its buffers),
+    ``on_output(dest, call_id, msg)``;
     ``accept_proc(key, pid)``: True when ``key`` is a proc of ours with pid ``pid``."""
 
-    def __init__(self, keyring: wire.Keyring, key: bytes, path: str, accept_proc, on_reply, on_output):
+    def __init__(self, keyring: wire.Keyring, key: bytes, path: str, accept_proc, on_replies, on_output):
         self.keyring, self.key, self.path = keyring, key, path
-        self.accept_proc, self.on_reply, self.on_output = accept_proc, on_reply, on_output
+        self.accept_proc, self.on_replies, self.on_output = accept_proc, on_replies, on_output
         keyring.accept("fan link", _listener_dest(path))
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
                                       | socket.SOCK_CLOEXEC)
@@ -311,9 +315,9 @@ class AgentLinks:
         self.ep.register(self.listener.fileno(), _EPOLLIN)
         self.conns: dict[int, _Conn] = {}     # fd -> connection
         self.by_key: dict[str, _Conn] = {}    # proc key -> its (checked) connection
-        self.scratch = memoryview(bytearray(RECORD_MAX))
         self._dests: dict[bytes, str] = {}
         self.uid = os.geteuid()
+        self.changes = 0   # moves when a proc's checked connection comes or goes (FanRelay's routes)
 
     def fileno(self) -> int:
         return self.ep.fileno()
@@ -334,6 +338,26 @@ class AgentLinks:
             except OSError as e:   # the proc is gone: its death comes from the zygote
                 log.info("fan link to proc %s: %s", c.key, e)
                 return
+
+    def send_each(self, conns: list, recs: list) -> None:
+        """``send`` the same message to each of ``conns``; one record (a usual call) in a
+        tight loop."""
+        if len(recs) != 1 or type(recs[0]) is not bytes:
+            for c in conns:
+                self.send(c, recs)
+            return
+        rec = recs[0]
+        for c in conns:
+            if c.out:
+                c.out.append(rec)
+                continue
+            try:
+                c.sock.send(rec)
+            except BlockingIOError:
+                c.out.append(rec)
+                self._want_out(c, True)
+            except OSError as e:   # the proc is gone: its death comes from the zygote
+                log.info("fan link to proc %s: %s", c.key, e)
 
     def _want_out(self, c: _Conn, on: bool) -> None:
         if c.want_out != on:
@@ -357,23 +381,59 @@ class AgentLinks:
     # ------------------------------------------------------------ reading
     def poll(self) -> None:
         """The epoll set is readable: accept, read one record from each ready connection, and
-        again until none is ready (level-triggered: a connection with more is ready again)."""
-        lfd, conns = self.listener.fileno(), self.conns
+        again until none is ready (level-triggered: a connection with more is ready again).
+
+        A call to all gives one plain reply from every proc, alike up to the value: the same
+        kind, call id, ok and destination. That prefix is compared as bytes, and a run of
+        replies that share it goes to ``on_replies`` as two lists (keys, value headers), so a
+        reply costs the agent its ``recv`` and a few C-level steps, not a parse and a call
+        chain each (256 procs on 2 cores: the agent read ~11 us a reply). Any other record
+        hands the run over first, so what a proc wrote keeps its order."""
+        lfd, conns, ep, epollin = self.listener.fileno(), self.conns, self.ep, _EPOLLIN
+        prefix, plen, route, keys, heads = _NO_RUN, 0, None, [], []
         while True:
-            events = self.ep.poll(0)
+            events = ep.poll(0)
             if not events:
-                return
+                break
             for fd, ev in events:
-                if fd == lfd:
-                    self._accept()
-                    continue
                 c = conns.get(fd)
                 if c is None:
+                    if fd == lfd:
+                        self._accept()
                     continue
-                if ev & _EPOLLOUT:
-                    self._drain_out(c)
-                if ev & ~_EPOLLOUT:
-                    self._read(c)
+                if ev != epollin or c.parts is not None or c.key is None:
+                    if keys:
+                        self.on_replies(*route, keys, heads)
+                        keys, heads = [], []
+                    if ev & _EPOLLOUT:
+                        self._drain_out(c)
+                    if ev & ~_EPOLLOUT:
+                        self._read(c)
+                    continue
+                try:
+                    rec = c.recv(RECORD_MAX)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    rec = b""
+                if rec.startswith(prefix):   # the run's prefix: one more alike reply
+                    keys.append(c.key)
+                    heads.append(rec[plen:])
+                    continue
+                if keys:
+                    self.on_replies(*route, keys, heads)
+                    keys, heads = [], []
+                if rec[:1] == _REPLY1:   # a plain reply: it starts a run
+                    call_id, ok, dn = _unpack_meta(rec, 1)
+                    plen = 1 + _META_SIZE + dn
+                    prefix = rec[:plen]
+                    route = (self._dest(rec[1 + _META_SIZE:plen]), call_id, bool(ok))
+                    keys.append(c.key)
+                    heads.append(rec[plen:])
+                else:
+                    self._record(c, rec)
+        if keys:
+            self.on_replies(*route, keys, heads)
 
     def _accept(self) -> None:
         while True:
@@ -400,12 +460,13 @@ class AgentLinks:
             self.ep.register(c.fd, _EPOLLIN)
 
     def _read(self, c: _Conn) -> None:
+        """Read one record of ``c`` (it is readable) and take it."""
         parts = c.parts
         try:
-            if parts is not None:
-                n = c.sock.recv_into(parts.rest())
-            else:
-                n = c.sock.recv_into(self.scratch)
+            if parts is None:
+                self._record(c, c.sock.recv(RECORD_MAX))
+                return
+            n = c.sock.recv_into(parts.rest())
         except BlockingIOError:
             return
         except OSError:
@@ -413,28 +474,31 @@ class AgentLinks:
         if not n:
             self.close(c)
             return
-        if parts is not None:
-            parts.filled += n
-            if parts.done():
-                c.parts = None
-                self._take_frames(c, parts.kind, parts.frames())
+        parts.filled += n
+        if parts.done():
+            c.parts = None
+            self._take_frames(c, parts.kind, parts.frames())
+
+    def _record(self, c: _Conn, rec: bytes) -> None:
+        """Take one whole record ``rec`` of ``c`` (b"": its end)."""
+        if not rec:
+            self.close(c)
             return
-        view = self.scratch
-        kind = view[0]
+        kind = rec[0]
         if c.key is None:
-            self._hello(c, view, n)
+            self._hello(c, rec)
             return
         if kind == REPLY or kind == OUTPUT:
-            call_id, ok, dn = _unpack_meta(view, 1)
+            call_id, ok, dn = _unpack_meta(rec, 1)
             at = 1 + _META_SIZE + dn
-            dest = self._dest(view[1 + _META_SIZE:at])
+            dest = self._dest(rec[1 + _META_SIZE:at])
             if kind == REPLY:
-                self.on_reply(dest, call_id, c.key, bool(ok), bytes(view[at:n]), [])
+                self.on_replies(dest, call_id, bool(ok), [c.key], [rec[at:]])
             else:
-                self.on_output(dest, call_id, _loads(view[at:n]))
+                self.on_output(dest, call_id, _loads(rec[at:]))
             return
         if kind == REPLY - _MULTI or kind == OUTPUT - _MULTI:
-            parts = _head(view, n)
+            parts = _head(rec, len(rec))
             if parts.done():
                 self._take_frames(c, parts.kind, parts.frames())
             else:
@@ -448,7 +512,7 @@ class AgentLinks:
         call_id, ok, dn = _unpack_meta(meta, 0)
         dest = self._dest(meta[_META_SIZE:_META_SIZE + dn])
         if kind == REPLY:
-            self.on_reply(dest, call_id, c.key, bool(ok), bytes(frames[1]), frames[2:])
+            self.on_replies(dest, call_id, bool(ok), [c.key], [bytes(frames[1])], frames[2:])
         elif kind == OUTPUT:
             self.on_output(dest, call_id, _loads(frames[1]))
 
@@ -461,12 +525,12 @@ class AgentLinks:
             d = self._dests[raw] = raw.decode(errors="replace")
         return d
 
-    def _hello(self, c: _Conn, view: memoryview, n: int) -> None:
+    def _hello(self, c: _Conn, rec: bytes) -> None:
         """The first record of a connection: a proc proves it holds the mesh key and is the
         process the kernel says it is; anything else closes the connection unread."""
         msg = None
-        if view[0] == HELLO and n > 1:
-            msg = self.keyring.open([bytes(view[1:n])], "fan link")
+        if rec[0] == HELLO and len(rec) > 1:
+            msg = self.keyring.open([rec[1:]], "fan link")
         ok = (type(msg) is tuple and len(msg) == 3 and msg[0] == "hello" and type(msg[1]) is str
               and msg[2] == c.pid and msg[1] not in self.by_key and self.accept_proc(msg[1], c.pid))
         if not ok:
@@ -481,6 +545,7 @@ class AgentLinks:
             return
         c.key = msg[1]
         self.by_key[c.key] = c
+        self.changes += 1
 
     # ------------------------------------------------------------ ending
     def drain(self, key: str) -> None:
@@ -504,6 +569,7 @@ class AgentLinks:
             return
         if c.key is not None and self.by_key.get(c.key) is c:
             del self.by_key[c.key]
+            self.changes += 1
         try:
             self.ep.unregister(c.fd)
         except (OSError, ValueError):

@@ -12,7 +12,7 @@ message.
 
 Fan-in. A fanned call carries ``reply_to = "fan+" + controller address``. Its procs send
 the reply, and the output written while they run it, on their fan link (a record naming
-``dest`` and the call id; ``_take_reply``/``_take_output``), or without one to the agent's
+``dest`` and the call id; ``_take_replies``/``_take_output``), or without one to the agent's
 *gather inbox* (ipc), each message prefixed with a routing frame ``dest \\0 call id``. A
 fanned reply is
 ``("rv", call id, proc key, ok, value header, value buffers)``: the value pickled on its
@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections import deque
+from collections import defaultdict, deque
 
 import zmq
 
@@ -64,6 +64,10 @@ BATCH_EVERY = 32  # a call to n procs here holds an incomplete batch n // 32 FAN
 REPLIES_WAIT_S = 0.1
 
 
+def _last_calls() -> deque:
+    return deque(maxlen=32)
+
+
 class _Held:
     """What waits to go up one way: to the controller ``dest`` itself (``parent`` ""), or
     to a parent agent of the tree (its fan inbox address), as a merged batch."""
@@ -80,6 +84,20 @@ class _Held:
     def due_in(self, now: float) -> float:
         """Seconds until this incomplete batch goes up (<= 0: now)."""
         return self.since + (self.window if self.shown else max(self.window, REPLIES_WAIT_S)) - now
+
+
+class _Members:
+    """A member list of fanned messages (a call to all: the same every call) and, while no
+    proc or link changed (``version``), where each goes: fan link connections, or procs
+    reached by a signed zmq push. ``pos``: each key's place (fantree.summarise)."""
+    __slots__ = ("keys", "pos", "version", "linked", "unlinked")
+
+    def __init__(self, keys: list):
+        self.keys = keys
+        self.pos = dict(zip(keys, range(len(keys))))
+        self.version = None
+        self.linked: list = []
+        self.unlinked: list = []
 
 
 class FanRelay:
@@ -111,15 +129,16 @@ class FanRelay:
         self.up_of: dict[tuple[str, int], str] = {}   # (dest, call id) -> parent agent ("" = direct)
         self.own: dict[tuple[str, int], list] = {}    # (dest, call id) -> its members here (summarise)
         self.last_up: dict[str, str] = {}             # dest -> the parent of its latest call
-        self.replied: dict[str, deque] = {}            # proc key -> its latest fanned calls answered
+        self.replied: dict[str, deque] = defaultdict(_last_calls)   # proc key -> its latest fanned calls answered
         self.sends: dict[tuple[str, int], None] = {}   # tree sends seen (dest, send id), oldest first
         self.tree = Retained()                        # what went to parents, until they are known safe
+        self.members: dict[str, _Members] = {}        # member list (fan_version 2) -> where they go
         self.fanned = 0
         self.flush_s = config.FANIN_FLUSH_S.get()
         # Each proc's fan link (node/fanlink.py): its fanned calls go down, and their replies
         # and output come up, on it; the gather inbox serves procs without one.
         self.links = fanlink.AgentLinks(agent.keyring, agent.key, ipc_name("link")[len("ipc://"):],
-                                        self._link_ok, self._take_reply, self._take_output) \
+                                        self._link_ok, self._take_replies, self._take_output) \
             if config.FAN_LINK.get() else None
         self._done: dict[int, _Held] = {}   # batches completed while reading (flushed after)
 
@@ -132,8 +151,9 @@ class FanRelay:
 
     def describe(self) -> dict:
         """Added to the agent's hello answer: where the controller sends fanned messages, and
-        what this agent reads (2: member keys joined by NUL in one string; summaries)."""
-        return {"fan": self.contact(), "fan_version": 2}
+        what this agent reads (2: member keys joined by NUL in one string; summaries; 3: a
+        fanned message from the attached controller counts as its heartbeat)."""
+        return {"fan": self.contact(), "fan_version": 3}
 
     def proc_config(self) -> dict:
         return {"gather": self.gather_ipc, **({"fan_link": self.links.path} if self.links is not None else {})}
@@ -199,7 +219,7 @@ class FanRelay:
 
     # ---------------------------------------------------------------- fan-out
     def _drain_fan(self) -> None:
-        agent = self.agent
+        agent, heard = self.agent, False
         for _ in range(1000):
             try:
                 frames = curve.joined(self.fan_in.recv_multipart(zmq.NOBLOCK, copy=False))
@@ -214,40 +234,22 @@ class FanRelay:
             if env[0] != "fan" or len(env) < 6:
                 continue
             _, keys, contact, call_id, header, bufs, children, parent, sid, summaries = Fan.of(env)
-            if type(keys) is str:   # one string (fan_version 2): pickles as one copy, not 256 objects
-                keys = keys.split("\0") if keys else []
+            if not heard and contact and agent.controller_addr and contact[0] == agent.controller_addr[0]:
+                # Signed by the attached controller (directly or through a parent agent): as good
+                # as a heartbeat from it (fan_version 3: it sends none while it calls).
+                agent.controller_seen = time.monotonic()
+                heard = True
             if sid and contact and seen_before(self, contact[0], sid, call_id, parent):
                 continue   # sent again by the controller after our parent was lost: done already
             # Children first: their subtrees start while this host stamps its own procs.
             below = sum(self._forward(child, contact, call_id, header, bufs, sid, summaries) for child in children)
-            sealed = recs = None
-            sent = 0
-            procs, stamp, dest_id, to_procs = agent.procs, agent.keyring.stamp, wire.dest_id, self.to_procs
-            linked = self.links.by_key if self.links is not None else {}
-            for key in keys:
-                p = procs.get(key)
-                if p is None or p.state != "alive" or p.ref is None:
-                    continue   # dead or stopped: the controller hears that from us, once
-                c = linked.get(key)
-                if c is not None:   # its fan link: unsigned, point to point (fanlink.py)
-                    if recs is None:
-                        recs = fanlink.records(fanlink.CALL, [header, *bufs])
-                    self.links.send(c, recs)
-                    sent += 1
-                    continue
-                if sealed is None:
-                    sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
-                try:
-                    addr = p.ref.work_ipc or p.ref.work
-                    sock = to_procs.get(addr) or self._to_proc(p.ref)
-                    frames = stamp(sealed, dest_id(addr))
-                    if len(frames) == 1:
-                        _SEND(sock, frames[0])   # a small call: a copy beats a zero-copy Frame
-                    else:
-                        sock.send_multipart(frames, copy=False)
-                    sent += 1
-                except zmq.ZMQError as e:
-                    log.warning("could not forward to proc %s: %s", key, e)
+            m = self._members_of(keys)
+            keys = m.keys
+            sent = len(m.linked)
+            if sent:   # on their fan links: unsigned, point to point (fanlink.py)
+                self.links.send_each(m.linked, fanlink.records(fanlink.CALL, [header, *bufs]))
+            if m.unlinked:
+                sent += self._send_signed(m.unlinked, header, bufs)
             self.fanned += sent
             if call_id and contact:
                 dest = contact[0]
@@ -257,7 +259,7 @@ class FanRelay:
                 up = self.up_of[k] = self.last_up[dest] = addr_of(parent) if parent else ""
                 if summaries and sent:   # its replies may go up as summaries (fantree.summarise)
                     own = self.own
-                    own[k] = [keys, None, sent]
+                    own[k] = [keys, m.pos, sent]
                     if len(own) > MAX_CALLS:   # calls whose member died before replying
                         for old in list(own)[:MAX_CALLS // 2]:
                             del own[old]
@@ -273,6 +275,51 @@ class FanRelay:
                 if len(self.up_of) > MAX_CALLS:
                     for old in list(self.up_of)[:MAX_CALLS // 2]:
                         del self.up_of[old]
+
+    def _members_of(self, keys) -> _Members:
+        """The procs a fanned message for ``keys`` (one string joined by NUL, fan_version 2,
+        or a list) goes to, and how: kept per member list until a proc or a link changes, so
+        a call to all costs no lookups and checks per member (the same members every call)."""
+        m = self.members.get(keys) if type(keys) is str else None
+        if m is None:
+            m = _Members(keys.split("\0") if keys else [] if type(keys) is str else keys)
+            if type(keys) is str:
+                if len(self.members) >= 64:
+                    self.members.clear()
+                self.members[keys] = m
+        version = (self.agent.proc_changes(), self.links.changes if self.links is not None else 0)
+        if m.version != version:
+            procs, linked = self.agent.procs, self.links.by_key if self.links is not None else {}
+            m.linked, m.unlinked, m.version = [], [], version
+            for key in m.keys:
+                p = procs.get(key)
+                if p is None or p.state != "alive" or p.ref is None:
+                    continue   # dead or stopped: the controller hears that from us, once
+                c = linked.get(key)
+                if c is not None:
+                    m.linked.append(c)
+                else:
+                    m.unlinked.append(p)
+        return m
+
+    def _send_signed(self, procs: list, header: bytes, bufs: list) -> int:
+        """To procs without a fan link: the body MACed once, stamped for each work inbox."""
+        agent = self.agent
+        sealed = agent.keyring.seal(agent.key, [header, *bufs])   # the body hashed once
+        stamp, dest_id, to_procs, sent = agent.keyring.stamp, wire.dest_id, self.to_procs, 0
+        for p in procs:
+            try:
+                addr = p.ref.work_ipc or p.ref.work
+                sock = to_procs.get(addr) or self._to_proc(p.ref)
+                frames = stamp(sealed, dest_id(addr))
+                if len(frames) == 1:
+                    _SEND(sock, frames[0])   # a small call: a copy beats a zero-copy Frame
+                else:
+                    sock.send_multipart(frames, copy=False)
+                sent += 1
+            except zmq.ZMQError as e:
+                log.warning("could not forward to proc %s: %s", p.key, e)
+        return sent
 
     def _forward(self, child, contact, call_id, header, bufs, sid, summaries) -> int:
         """Send a child agent its part of the tree (its procs' keys and its own subtree); how
@@ -316,14 +363,17 @@ class FanRelay:
             call_id = int(call) if call.isdigit() else 0
             if msg[0] == "rv" and len(msg) == 6:
                 _, rcall, key, ok, vheader, vbufs = msg
-                self._take_reply(dest, call_id, key, ok, vheader, vbufs, rcall)
+                self._take_replies(dest, call_id, ok, [key], [vheader], vbufs, rcall)
             else:
                 self._take_output(dest, call_id, msg)
         self._flush_done()
 
-    def _take_reply(self, dest: str, call_id: int, key: str, ok, vheader, vbufs, rcall=None) -> None:
-        """Member ``key``'s reply to ``call_id`` (routed to ``dest``), from its link or the gather
-        inbox: into the batch going that way (complete or full: flushed by _flush_done)."""
+    def _take_replies(self, dest: str, call_id: int, ok: bool, keys: list, vheaders: list, vbufs=(),
+                      rcall=None) -> None:
+        """Members ``keys``' replies to ``call_id`` (routed to ``dest``), alike but for their
+        values (a run read from the fan links; ``vbufs``: the buffers of a single reply), into
+        the batch going that way (complete or full: flushed by _flush_done). ``rcall``: the
+        call id a signed reply names, when it came through the gather inbox."""
         h = self._held_for(dest, call_id)
         if h is None:
             return   # nobody asked us to gather for it: not ours to forward
@@ -332,21 +382,25 @@ class FanRelay:
         items = h.items
         if not items:
             h.since = time.monotonic()
-        last = self.replied.get(key)
-        if last is None:
-            last = self.replied[key] = deque(maxlen=32)
-        last.append(call_id)
+        replied = self.replied
+        for key in keys:
+            replied[key].append(call_id)
         run = items[-1] if items else None
         if type(run) is not list or run[1] != call_id:   # a call's replies in a row: one run
             run = ["rc", call_id, [], [], [], []]
             items.append(run)
-        run[2].append(key)
-        run[3].append(ok)
-        run[4].append(vheader)
-        run[5].append(len(vbufs))
-        if vbufs:
-            h.buffers.extend(vbufs)
-        if self._answered(dest, call_id, 1) or len(items) >= MAX_HELD:
+        n = len(keys)
+        run[2] += keys
+        run[4] += vheaders
+        if n == 1:
+            run[3].append(ok)
+            run[5].append(len(vbufs))
+            if vbufs:
+                h.buffers.extend(vbufs)
+        else:
+            run[3] += [ok] * n
+            run[5] += [0] * n
+        if self._answered(dest, call_id, n) or len(items) >= MAX_HELD:
             self._done[id(h)] = h
 
     def _take_output(self, dest: str, call_id: int, msg) -> None:

@@ -102,23 +102,29 @@ def summarise(items: list, own: dict, dest: str) -> None:
 
 def _masks(entry: list, runs: list) -> list | None:
     """[(header, mask)] for the replies in ``runs`` (see summarise), or None when they are
-    not an exact set of distinct members we were sent, or hold too many distinct values."""
+    not an exact set of distinct members we were sent, or hold too many distinct values.
+    C-level steps over the replies (map, set), not a Python step each: at 256 members the
+    loop was a tenth of the agent's CPU per call."""
     keys, pos = entry[0], entry[1]
     if pos is None:
         pos = entry[1] = dict(zip(keys, range(len(keys))))
-    seen = bytearray(len(keys))
-    masks: dict = {}
-    for run in runs:
-        for key, header in zip(run[2], run[4]):
-            mask = masks.get(header)
-            if mask is None:
-                if len(masks) == MAX_SUMMARIES:
-                    return None
-                mask = masks[header] = bytearray(len(keys))
-            i = pos.get(key)
-            if i is None or seen[i]:
-                return None   # not a member we were sent, or twice: not exact, key by key
-            seen[i] = mask[i] = 1
+    if len(runs) == 1:
+        rkeys, headers = runs[0][2], runs[0][4]
+    else:
+        rkeys = [k for run in runs for k in run[2]]
+        headers = [h for run in runs for h in run[4]]
+    n = len(keys)
+    if len(rkeys) == n == len(pos) and headers.count(headers[0]) == n and pos.keys() == set(rkeys):
+        return [(headers[0], b"\x01" * n)]   # every member once, one value: a call to all
+    at = list(map(pos.get, rkeys))
+    if None in at or len(set(at)) != len(at):
+        return None   # not a member we were sent, or twice: not exact, key by key
+    values = dict.fromkeys(headers)   # in the order they first came
+    if len(values) > MAX_SUMMARIES:
+        return None
+    masks = {header: bytearray(len(keys)) for header in values}
+    for i, header in zip(at, headers):
+        masks[header][i] = 1
     return [(header, bytes(mask)) for header, mask in masks.items()]
 
 

@@ -24,7 +24,7 @@ import weakref
 BACKEND = "module://monarch_kernel.node.figure_backend"
 FRONT_END_BACKENDS = ("matplotlib_inline", "ipympl", "nbagg", "widget")
 _FORMATTER = None
-_SHOWN: weakref.WeakSet = weakref.WeakSet()   # figures display()ed during this cell
+SHOWN: weakref.WeakSet = weakref.WeakSet()   # figures display()ed during this cell
 
 
 def use_on_this_rank() -> None:
@@ -59,7 +59,7 @@ def display(*objs, include=None, exclude=None, metadata=None, raw: bool = False,
         if not data:
             continue
         if _is_figure(obj):
-            _SHOWN.add(obj)
+            SHOWN.add(obj)
         send(data, md)
 
 
@@ -110,16 +110,16 @@ def send_open_figures(skip_displayed: bool = True) -> None:
     """Send every open figure (not already display()ed in this cell) and close them all."""
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is None:   # after every cell on every rank: nothing to do, at the least cost
-        if _SHOWN.data:
-            _SHOWN.clear()
+        if SHOWN.data:
+            SHOWN.clear()
         return
     for num in plt.get_fignums():
         fig = plt.figure(num)
-        if skip_displayed and fig in _SHOWN:
+        if skip_displayed and fig in SHOWN:
             continue
         data, md = format_object(fig)
         if "image/png" in data:
             send(data, md)
     plt.close("all")
-    _SHOWN.clear()
+    SHOWN.clear()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 import types
 
 import pytest
@@ -34,7 +35,8 @@ class Host:
         self.keyring = wire.Keyring()
         self.keyring.add(self.key)
         self.agent = types.SimpleNamespace(ctx=self.ctx, key=self.key, bind_host="127.0.0.1",
-                                           keyring=self.keyring, procs={}, proc_changes=lambda: Proc.changes)
+                                           keyring=self.keyring, procs={}, proc_changes=lambda: Proc.changes,
+                                           controller_addr=None, controller_seen=0.0)
         self.relay = fanout.FanRelay(self.agent)
         self.links = self.relay.links
         self.addr = f"ipc://{tmp_path}/controller"
@@ -60,10 +62,10 @@ class Host:
             self.keys.append(c.key)
             self.peers.append(b)
 
-    def fan(self, call_id: int, keys=None) -> None:
+    def fan(self, call_id: int, keys=None, contact=None) -> None:
         """The controller's fanned call to ``keys`` (all by default), read by the agent."""
         keys = self.keys if keys is None else keys
-        env = ("fan", "\0".join(keys), self.contact, call_id, pickle.dumps(("call", call_id), 5), [], [],
+        env = ("fan", "\0".join(keys), contact or self.contact, call_id, pickle.dumps(("call", call_id), 5), [], [],
                None, 0, True)
         self.push.send_multipart(self.keyring.sign(self.key, wire.dumps(env), wire.dest_id(self.relay.fan_ipc)))
         assert self.relay.fan_in.poll(5000)
@@ -162,3 +164,15 @@ def test_replies_read_in_bulk_keep_each_procs_order_and_split_at_another_call_an
     assert got["agent.3"][0] is False and isinstance(got["agent.3"][1], ValueError)
     at = {key: n for n, it in enumerate(items) if it[0] == "rc" for key in it[2]}
     assert items.index(out[0]) < at["agent.2"]   # rank 2's output before its reply
+
+
+def test_a_fanned_call_from_the_attached_controller_counts_as_its_heartbeat(host):
+    """fan_version 3: a controller that only sends calls for longer than HOST_TIMEOUT_S
+    (it sends no heartbeat while it calls) is not detached by its agent."""
+    host.agent.controller_addr = list(host.contact)
+    host.fan(1, contact=["tcp://127.0.0.1:1", "", "elsewhere"])   # another controller's call
+    assert host.agent.controller_seen == 0.0
+    before = time.monotonic()
+    host.fan(2)
+    assert host.agent.controller_seen >= before
+    assert host.relay.describe()["fan_version"] >= 3

@@ -151,8 +151,9 @@ class FanRelay:
 
     def describe(self) -> dict:
         """Added to the agent's hello answer: where the controller sends fanned messages, and
-        what this agent reads (2: member keys joined by NUL in one string; summaries)."""
-        return {"fan": self.contact(), "fan_version": 2}
+        what this agent reads (2: member keys joined by NUL in one string; summaries; 3: a
+        fanned message from the attached controller counts as its heartbeat)."""
+        return {"fan": self.contact(), "fan_version": 3}
 
     def proc_config(self) -> dict:
         return {"gather": self.gather_ipc, **({"fan_link": self.links.path} if self.links is not None else {})}
@@ -218,7 +219,7 @@ class FanRelay:
 
     # ---------------------------------------------------------------- fan-out
     def _drain_fan(self) -> None:
-        agent = self.agent
+        agent, heard = self.agent, False
         for _ in range(1000):
             try:
                 frames = curve.joined(self.fan_in.recv_multipart(zmq.NOBLOCK, copy=False))
@@ -233,6 +234,11 @@ class FanRelay:
             if env[0] != "fan" or len(env) < 6:
                 continue
             _, keys, contact, call_id, header, bufs, children, parent, sid, summaries = Fan.of(env)
+            if not heard and contact and agent.controller_addr and contact[0] == agent.controller_addr[0]:
+                # Signed by the attached controller (directly or through a parent agent): as good
+                # as a heartbeat from it (fan_version 3: it sends none while it calls).
+                agent.controller_seen = time.monotonic()
+                heard = True
             if sid and contact and seen_before(self, contact[0], sid, call_id, parent):
                 continue   # sent again by the controller after our parent was lost: done already
             # Children first: their subtrees start while this host stamps its own procs.

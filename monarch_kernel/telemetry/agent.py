@@ -83,17 +83,13 @@ class AgentTelemetry:
                                   "stopped" if stopping else "died", how), p.mesh_id)
 
     def tick(self, now: float) -> None:
-        while True:
-            try:
-                ident, req, ok, answer = self.searches.get_nowait()
-            except queue.Empty:
-                break
+        """Called at every turn of the agent's loop (a call to all 256 procs is dozens of
+        turns): the queues are looked at with ``empty()``, not an exception raised each."""
+        while not self.searches.empty():
+            ident, req, ok, answer = self.searches.get_nowait()
             self.agent.reply(ident, req, ok, answer)
-        while True:
-            try:
-                rows, mesh_ids, cost = self.sample_rows.get_nowait()
-            except queue.Empty:
-                break
+        while not self.sample_rows.empty():
+            rows, mesh_ids, cost = self.sample_rows.get_nowait()
             self.sampling = False
             # A sample of many procs is costly (see the module docstring): the next waits.
             self.next_sample = max(self.next_sample, now + cost / SAMPLE_BUDGET)

@@ -176,19 +176,24 @@ def test_an_on_mesh_cell_skips_ipythons_later_transforms_and_reads_the_same(k):
     assert r.stdout.split("\n")[-2] == "0 " + str([True] * 10) + " True", r.stdout
 
 
-def test_a_cells_input_reaches_the_history_file_after_its_reply_or_within_a_second(k):
-    """IPython's history thread wrote a cell's input as the cell started, competing with
-    its start for the CPU and the GIL; now it writes once the cell has replied, or after
-    1 s of a longer cell (jupyter/fast_path.HistoryWrites). ``In`` has it at once, as before."""
-    k.ok("import sqlite3, time\nhm = get_ipython().history_manager\n"
+def test_an_on_mesh_cells_input_reaches_the_history_file_once_its_call_is_sent(k):
+    """IPython's history thread wrote a cell's input as the cell started, competing with the
+    kernel's own start of the cell (the CPU, the GIL, a lock held through the file's sync);
+    for an %%on_mesh cell it now writes once the cell's call is out and the kernel only
+    waits (jupyter/fast_path.HistoryWrites). The file has the input while the cell runs."""
+    k.ok("import sqlite3, time\nhm = get_ipython().history_manager\nhw = get_ipython().kernel._history_writes\n"
+         "from monarch_kernel.jupyter import on_mesh\nstarts = []\n"
+         "on_mesh.DONE_HOOKS.append(lambda run: starts.append((run.started, saved('mark-' + 'mesh'))))\n"
          "def saved(mark):\n    with sqlite3.connect(str(hm.hist_file)) as c:\n"
          "        return c.execute('SELECT count(*) FROM history WHERE session=? AND source_raw LIKE ?',\n"
          "                         (hm.session_number, f'%{mark}%')).fetchone()[0]")
-    r = k.ok("time.sleep(0.3)\nprint(saved('mark-' + 'quick'), 'mark-quick' in In[-1])  # mark-quick")
-    assert r.stdout.split() == ["0", "True"], r.stdout   # was: 1 (written as the cell started)
-    assert k.ok("time.sleep(0.3)\nprint(saved('mark-' + 'quick'))").stdout.split() == ["1"]
-    r = k.ok("time.sleep(1.6)\nprint(saved('mark-' + 'long'))  # mark-long")
-    assert r.stdout.split() == ["1"], r.stdout
+    k.ok("on_mesh.CELL_NAMERS.append(lambda body: time.sleep(0.2))   # (a slow start: the GIL is free)")
+    try:
+        k.ok("%%on_mesh\nimport time\ntime.sleep(0.5)  # mark-mesh")
+        r = k.ok("(sent, was_saved), = starts\nprint(was_saved, sent <= hw.write_started < sent + 0.5)")
+        assert r.stdout.split() == ["1", "True"], r.stdout   # was: written before the call (False)
+    finally:
+        k.ok("on_mesh.DONE_HOOKS.pop(); on_mesh.CELL_NAMERS.pop()")
 
 
 # ----------------------------------------------------------------------- errors

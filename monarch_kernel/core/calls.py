@@ -18,6 +18,7 @@ from typing import Callable
 
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
+from .values import ValueMesh
 
 log = logging.getLogger("monarch_kernel")
 LATE_REPLY_S = 5.0   # a dead proc's reply announced by its agent (fan-in) fails if not here by then
@@ -170,8 +171,6 @@ class PendingCall:
             else:
                 self.future.set_result(self.results[0])
             return
-        from .values import ValueMesh
-
         mesh = ValueMesh(self.extent, self.results)
         if self.failed:
             first = self.results[min(self.failed)]
@@ -252,12 +251,10 @@ class Calls:
     """Pending calls by id, how many calls each proc owes (``outstanding``, for choose()),
     the dead procs and their errors, and the failures still to surface."""
 
-    def __init__(self, waiter: Callable, wake_reader: Callable[[], None], fanned_waiter: Callable | None = None):
+    def __init__(self, waiter: Callable, wake_reader: Callable[[], None]):
         self._pending: dict[int, PendingCall] = {}
         self._ids = itertools.count(1)
         self._waiter = waiter            # Future.get waits through it (Inbox.wait_for)
-        # ... and a fanned call's through Inbox.wait_fanned (its replies take milliseconds).
-        self._fanned_waiter = fanned_waiter or waiter
         self._wake_reader = wake_reader  # a thread blocked on the inbox must re-check its future
         self.outstanding = Outstanding(self)
         self._big: dict[int, PendingCall] = {}   # calls of BIG members or more: not in the counter
@@ -399,7 +396,6 @@ class Calls:
         else:
             p.parts = {ks[0]: at if at >= 0 and keys[at:at + len(ks)] == ks else ks for at, ks in hosts}
             self._parts = (hosts, keys, p.parts)
-        p.future.set_waiter(self._fanned_waiter)
 
     def on_summary(self, call_id: int, first: str, mask: bytes, ok: bool, value, values=None) -> None:
         """One host's members of a call answered ``value`` (or ``values``, one each), where

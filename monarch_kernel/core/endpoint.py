@@ -86,7 +86,7 @@ class Endpoint(Generic[T]):
                 rt.abandon(call_id)
             _explain_unpicklable(e, args, kwargs, am.endpoints.get(self._name, (False, ()))[1], what)
             raise
-        if pending is not None:
+        if pending is not None and rt.dead:
             _fail_if_dead(rt, keys, pending)
         return pending
 

@@ -9,11 +9,9 @@ Every thread that touches the runtime, and what it may do:
   * **user threads** (the main thread, a notebook's kernel thread, any thread the user
     starts): send (transport.py: a PUSH socket per thread and destination) and wait.
     A thread blocked in ``Future.get`` reads the inbox itself (``wait_for``, leader /
-    follower below), so its reply wakes it directly instead of through a second thread;
-    but on a long fanned call (replies in tens of milliseconds, in a host's batch) it
-    leaves the inbox to the I/O thread and is woken once (``wait_fanned``, ``wait_long``).
-    Work for the agent links is handed to the I/O thread with ``call_in_io`` (a queue
-    and a byte on a wake pipe).
+    follower below), so its reply (or a host's fan-in batch) wakes it directly instead of
+    through a second thread. Work for the agent links is handed to the I/O thread with
+    ``call_in_io`` (a queue and a byte on a wake pipe).
   * **a proc's main thread** (node/proc.py) runs user code; waiting inside an endpoint it
     also serves its own work inbox (``serve_work_while_waiting``), so an actor can call
     another actor of its own proc. A proc's ``monarch-async`` thread runs async
@@ -39,6 +37,7 @@ import zmq
 
 from . import curve, wire
 from .future import Future
+from .release_timer import open_timer
 from .transport import ipc_name
 
 log = logging.getLogger("monarch_kernel")
@@ -47,7 +46,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums co
 _NOBLOCK = int(zmq.NOBLOCK)
 _get_ident = threading.get_ident
 _SHORT_POLL_MS = 10   # the I/O thread's poll while a user thread reads the inbox (or just did): _poll_ms
-LONG_WAIT_S = 0.01    # a thread's fanned wait that took this long: its next one goes through wait_long
+LONG_HOLD_S = 0.002   # ... unless its last two waits took this long: a loop of such calls (_poll_ms)
 
 
 class Inbox:
@@ -82,11 +81,11 @@ class Inbox:
         self._want_lock = threading.Lock()
         self._released_at = 0.0
         self._wanted_since = 0.0             # when _wanted last went from 0 to 1
-        self._long_poll = False              # the I/O thread sleeps past 2 ms: kick it on release
-        self._handed: dict[int, _Waker] = {}   # threads waiting on a long call (wait_long)
-        self._wakers: dict[int, _Waker] = {}   # each thread's, kept between its waits
-        self._slow_fanned: set[int] = set()    # threads whose last fanned wait was long (wait_fanned)
-        self._deferred: list[_Waker] = []      # woken by the I/O thread just before it polls (_Waker)
+        self._long_holds = 0                 # how many of the last of those lasted LONG_HOLD_S or more, in a row
+        self._long_poll = False              # the I/O thread sleeps past 2 ms: wake it after a release
+        # ... through this timer, unless the inbox is wanted again first (release_timer.py; None: a kick)
+        self._release_timer = open_timer(_SHORT_POLL_MS / 1000)
+        self._timer_armed = False
         # Set by a proc worker: (work socket, handler) its main thread serves while it waits.
         self._nested_work: tuple | None = None
         self._nested_thread: int | None = None
@@ -111,6 +110,8 @@ class Inbox:
         self._poller_in.register(self.sock, zmq.POLLIN)
         for p in (self._poller, self._poller_in):
             p.register(self._wake_r, zmq.POLLIN)
+            if self._release_timer is not None:
+                p.register(self._release_timer.fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._thread.start()
         self._io_ident = self._thread.ident
@@ -140,9 +141,10 @@ class Inbox:
         try:
             self._serve()
         finally:
-            self._wake_deferred()
             if self._closing:
                 self._agents.close()   # (the links' pidfds; the context's destroy closes their sockets)
+                if self._release_timer is not None:
+                    self._release_timer.close()
 
     def _serve(self):
         """Poll agents and the wake pipe always; the inbox only while no user thread waits
@@ -152,10 +154,12 @@ class Inbox:
         poller, poller_in, agents = self._poller, self._poller_in, self._agents
         inbox, opener, lock, dispatch = self.sock, self.keyring.open, self._lock, self._dispatch
         me = threading.get_ident()
+        timer = self._release_timer
+        timer_fd = timer.fd if timer is not None else None
         next_tick = 0.0
         while not self._closing:
             have = heard = False
-            if not self._wanted and (self._handed or time.monotonic() - self._released_at > 0.001):
+            if not self._wanted and time.monotonic() - self._released_at > 0.001:
                 have = lock.acquire(blocking=False)
                 if have and self._wanted:
                     lock.release()
@@ -164,8 +168,6 @@ class Inbox:
                 if have:
                     self._holder = me
                 timeout = self._poll_ms(have, next_tick)
-                if self._deferred:
-                    self._wake_deferred()
                 events = (poller_in if have else poller).poll(timeout)
                 self._long_poll = False
             except zmq.ZMQError:
@@ -190,6 +192,8 @@ class Inbox:
                                 fn()
                             except Exception:
                                 log.exception("I/O task failed")
+                    elif sock == timer_fd:   # a user thread let the inbox go a while ago: take it (above)
+                        timer.clear()
                     else:
                         link = agents.owns(sock)
                         if link is not None:
@@ -205,14 +209,6 @@ class Inbox:
             if now >= next_tick:
                 next_tick = now + HEARTBEAT_S / 2
                 agents.tick(now)
-
-    def _wake_deferred(self) -> None:
-        """(I/O thread) Wake the threads whose futures it resolved since its last poll, now
-        that it is about to drop the GIL in poll: woken at once, a waiter found the GIL still
-        held and slept on it a second time (2 more context switches a call to all)."""
-        deferred = self._deferred
-        while deferred:
-            deferred.pop().wake()
 
     @staticmethod
     def _drain(inbox, opener, dispatch) -> None:
@@ -239,16 +235,20 @@ class Inbox:
     def _poll_ms(self, have: bool, next_tick: float) -> int:
         """How long the I/O thread may sleep in poll. While a user thread has read the inbox
         for over 10 ms (a long call), it sleeps up to the next heartbeat tick instead of waking
-        to see whether the inbox came back: the waiter kicks it when it lets go (``_unwant``).
-        (A wake costs ~50 µs of CPU on this VM: a 50 ms cap woke it 20 times a second through
-        a 5 s ``call_one``.) Shorter waits keep _SHORT_POLL_MS polls, so
+        to see whether the inbox came back: the waiter arms the release timer when it lets go
+        (``_unwant``), and the next wait, in a loop of calls, disarms it: the I/O thread sleeps
+        through the loop. So does a wait that follows two of LONG_HOLD_S or more (a loop of
+        calls to 64 procs, ~5 ms each, woke it every 10 ms: ~35 µs a call; arming and disarming
+        the timer is ~5; two, so that a call_one held up once on a loaded machine does not
+        make the next ones arm it). (A wake costs ~50-200 µs of CPU on this VM: a 50 ms cap woke it 20
+        times a second through a 5 s ``call_one``.) Shorter waits keep _SHORT_POLL_MS polls, so
         back-to-back small calls cost no kick; after the last of them, what nobody waits for
         (output, a callback's reply) is read within that time. 10 ms rather than 2: a
         ``call_one`` loop woke the I/O thread (and took the GIL from the caller) every 2 ms,
         2-3 µs of CPU a call."""
         if have:
             # Nothing to do before the next heartbeat tick (a waiter kicks us through the wake
-            # pipe): with none (a proc), sleep until a message or a kick. 256 procs woke 10 times
+            # pipe to take the inbox): with none (a proc), sleep until a message or a kick. 256 procs woke 10 times
             # a second each for nothing: 0.3 of a CPU on a 2-core host (issue 11).
             if not self._agents.heartbeating():
                 return -1
@@ -256,10 +256,11 @@ class Inbox:
         if not self._wanted_recently():
             return 100
         now = time.monotonic()
-        if not self._wanted or now - self._wanted_since < 0.01:
+        if not self._wanted or (now - self._wanted_since < 0.01
+                                and (self._long_holds < 2 or self._release_timer is None)):
             return _SHORT_POLL_MS
         self._long_poll = True
-        if not self._wanted:   # let go meanwhile (it saw no long poll to kick): stay short
+        if not self._wanted:   # let go meanwhile (it saw no long poll to wake): stay short
             self._long_poll = False
             return _SHORT_POLL_MS
         return max(2, int((next_tick - now) * 1000) + 1)
@@ -268,15 +269,24 @@ class Inbox:
         with self._want_lock:
             if not self._wanted:
                 self._wanted_since = time.monotonic()
+                if self._timer_armed:   # wanted again before the I/O thread took it back
+                    self._timer_armed = False
+                    self._release_timer.disarm()
             self._wanted += 1
 
     def _unwant(self) -> None:
         with self._want_lock:
             self._wanted -= 1
             last = not self._wanted
-        self._released_at = time.monotonic()
-        if last and (self._long_poll or self._handed):
-            os.write(self._wake_w, b"i")   # the I/O thread takes the inbox back now
+            self._released_at = now = time.monotonic()
+            if last:
+                self._long_holds = self._long_holds + 1 if now - self._wanted_since >= LONG_HOLD_S else 0
+            if last and self._long_poll:   # the I/O thread sleeps until its next tick
+                if self._release_timer is None:
+                    os.write(self._wake_w, b"i")   # it takes the inbox back now
+                elif not self._closing:   # it takes it back in _SHORT_POLL_MS, unless wanted again
+                    self._timer_armed = True
+                    self._release_timer.arm()
 
     def wake_reader(self) -> None:
         """A user thread blocked on the inbox in wait_for must re-check its future."""
@@ -285,67 +295,13 @@ class Inbox:
             self._wake_self()
 
     # ----------------------------------------------------------------- waiting on the inbox
-    def wait_fanned(self, fut: Future, timeout: float | None) -> None:
-        """``Future.get`` on a fanned call (its hosts' batches, core/fanout.py). A short one
-        (a few procs a host, or cores enough for them: ~1 ms) is read by the waiting thread
-        itself (``wait_for``: its one wake; the hand-off of ``wait_long`` added a wake of the
-        I/O thread and ~0.1 ms of CPU to a call to 4 procs here). A long one (hundreds of
-        procs on 2 cores: 10-50 ms) goes through ``wait_long``: a waiter holding the inbox
-        that long costs the I/O thread a wake to see it and a kick to take it back, more than
-        the one wake of the waiter. Which: as this thread's previous fanned wait went (a loop
-        of calls to one mesh takes about as long each time)."""
-        me = _get_ident()
-        slow = self._slow_fanned
-        t0 = time.monotonic()
-        try:
-            if me in slow:
-                self.wait_long(fut, timeout)
-            else:
-                self.wait_for(fut, timeout)
-        finally:
-            if time.monotonic() - t0 >= LONG_WAIT_S:
-                slow.add(me)
-            else:
-                slow.discard(me)
-
-    def wait_long(self, fut: Future, timeout: float | None) -> None:
-        """``wait_for`` for a call whose replies take milliseconds (a fanned call: its hosts'
-        batches, core/fanout.py): leave the inbox to the I/O thread, which resolves ``fut``
-        and wakes this thread once. Reading it here instead cost a kick of the I/O thread out
-        of its poll, its short polls meanwhile, a kick to take it back, and the GIL passed at
-        each (~4 wakes, ~0.2 ms of CPU a call to 256 procs); one wake is what is left.
-        Short calls (call_one) keep ``wait_for``: there one thread hop is the cost."""
-        me = _get_ident()
-        if me == self._io_ident or self._holder == me or self._nested_thread == me or self._thread is None:
-            return self.wait_for(fut, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waker = self._wakers.get(me)
-        if waker is None:
-            waker = self._wakers[me] = _Waker(self._deferred, self._io_ident)
-        waker.on(fut)
-        woken = waker.lock
-        nested = me in self._handed   # (the wait hook waiting in turn)
-        self._handed[me] = waker
-        try:
-            if self._holder is None and not self._wanted:
-                os.write(self._wake_w, b"h")   # take the inbox now (not after a short poll)
-            while not fut.done():
-                hook = self._wait_hook
-                if self._wait_hook_due and hook is not None and hook[0] == me:
-                    self._wait_hook_due = False
-                    hook[1]()
-                    continue
-                left = -1 if deadline is None else deadline - time.monotonic()
-                if deadline is not None and left <= 0:
-                    raise fut.timeout_error(timeout)
-                woken.acquire(True, left)
-        finally:
-            if not nested:
-                del self._handed[me]
-
     def wait_for(self, fut: Future, timeout: float | None) -> None:
         """Called by ``Future.get`` on a pending future: read the inbox in this thread until
-        ``fut`` is done, so its reply wakes this thread directly.
+        ``fut`` is done, so its reply wakes this thread directly. A call fanned out through
+        host agents too (its hosts' batches, core/fanout.py), however long: it used to be left
+        to the I/O thread past 10 ms (it read the batch, then woke this thread: two wakes, and
+        the GIL passed between them, ~0.25 ms more CPU a call to all 256 procs here); with the
+        release timer the I/O thread sleeps through a loop of such calls.
 
         Leader/follower: the inbox is read by whoever holds ``_lock`` (a mutex is the full
         memory barrier zmq asks for to move a socket between threads). The I/O thread holds
@@ -471,8 +427,6 @@ class Inbox:
     def want_wait_hook(self) -> None:
         """Make the hook's thread run it as soon as it waits in Future.get (or now, if it does)."""
         self._wait_hook_due = True
-        for waker in list(self._handed.values()):   # a thread in wait_long: let it look
-            waker.wake()
 
     def _run_wait_hook(self, fn: Callable[[], None]) -> None:
         """Run the wait hook with the inbox left to the I/O thread."""
@@ -522,41 +476,6 @@ def _ms_left(deadline: float | None, fut: Future, timeout) -> int:
     if ms <= 0:
         raise fut.timeout_error(timeout)
     return ms
-
-
-class _Waker:
-    """What wakes one thread in ``wait_long``: a lock held while nothing happened (cheaper
-    than an Event), released by the future's resolution or the wait hook; and the future it
-    is registered on while that is pending, so a wait in slices (``get(0.1)`` in a loop, as
-    ``%on_mesh``'s sync path does) adds one callback to it, not one a slice."""
-
-    __slots__ = ("lock", "fut", "_deferred", "_io_ident")
-
-    def __init__(self, deferred: list, io_ident: int | None):
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.fut: Future | None = None
-        self._deferred, self._io_ident = deferred, io_ident   # (Inbox._wake_deferred)
-
-    def on(self, fut: Future) -> None:
-        if self.fut is not fut:
-            self.fut = fut
-            fut.add_done_callback(self._done)
-
-    def _done(self, fut: Future) -> None:
-        if self.fut is fut:
-            self.fut = None   # (not holding its result alive)
-        if _get_ident() == self._io_ident:
-            self._deferred.append(self)   # woken when the I/O thread next polls (_wake_deferred)
-        else:
-            self.wake()
-
-    def wake(self) -> None:
-        """A stale wake (an earlier future's) only makes the waiter look again."""
-        try:
-            self.lock.release()
-        except RuntimeError:   # released already
-            pass
 
 
 def _ignore(msg) -> None:

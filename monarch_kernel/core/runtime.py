@@ -61,7 +61,7 @@ class Runtime:
         self._inbox = inbox = Inbox(self.ctx, self.keyring, bind_host)
         self.host_id = host_id()
         self.transport = transport = Transport(self.ctx, self.keyring, self.host_id, inbox.call_in_io)
-        self.calls = calls = Calls(inbox.wait_for, inbox.wake_reader, inbox.wait_fanned)
+        self.calls = calls = Calls(inbox.wait_for, inbox.wake_reader)
         self._agents = AgentLinks(self, inbox.watch_socket, inbox.unwatch_socket)
         self.bind_host = bind_host
         self.address, self.ipc_address, self.curve_public = inbox.address, inbox.ipc_address, inbox.curve_public

@@ -17,15 +17,16 @@ serial with theirs, and on a 2-core machine any CPU it spends meanwhile slows th
   on every cell (~75 us); the answer depends on the function only, so it is kept per
   function (``remember_accepted_parameters``).
 * History: IPython's history thread writes each cell's input to its sqlite file as the
-  cell starts (~1 ms of CPU, and the GIL taken from the cell's own start meanwhile).
-  ``HistoryWrites`` holds that write until the cell has replied, or for at most
-  ``HOLD_HISTORY_S`` of a longer cell: a kernel that crashes in a cell's first second
-  leaves that cell out of the history file (in-session history, ``In``, ``%history``,
-  are IPython's memory and unchanged).
+  cell starts (~1 ms of CPU, the GIL taken from the cell's start meanwhile, and the input
+  cache's lock held through the file's sync). For an ``%%on_mesh`` cell ``HistoryWrites``
+  holds that write until the cell's call is sent (``call_sent``, from on_mesh.py), when the
+  kernel only waits for the ranks, or until the cell replies, ``HOLD_HISTORY_S`` at most.
+  Held to the reply, a write met the next cell's start (its lock) in a run of cells.
 """
 from __future__ import annotations
 
 import threading
+import time
 
 HOLD_HISTORY_S = 1.0
 
@@ -102,14 +103,18 @@ def remember_accepted_parameters() -> None:
 
 
 class HistoryWrites:
-    """Holds the history thread's write (``writeout_cache`` on that thread only) while a
-    cell runs: ``cell_started``/``cell_ended`` from the kernel's ``execute_request``."""
+    """Holds the history thread's write (``writeout_cache`` on that thread only) while an
+    ``%%on_mesh`` cell prepares its call: ``cell_started``/``cell_ended`` from the kernel's
+    ``execute_request``, ``call_sent`` from the cell."""
+
+    current: HistoryWrites | None = None   # the kernel's (one a process)
 
     def __init__(self, history_manager):
         self.hm = history_manager
-        self.running = 0
         self.idle = threading.Event()
         self.idle.set()
+        self.write_started = 0.0   # (time.monotonic() of the thread's last write: tests)
+        HistoryWrites.current = self
         real = history_manager.writeout_cache
         if getattr(real, "held_while_cells_run", False):
             return
@@ -117,18 +122,25 @@ class HistoryWrites:
         def writeout_cache(conn=None):
             thread = self.hm.save_thread
             if thread is not None and threading.current_thread() is thread:
-                self.idle.wait(HOLD_HISTORY_S)
+                HistoryWrites.current.idle.wait(HOLD_HISTORY_S)
+                HistoryWrites.current.write_started = time.monotonic()
             real(conn) if conn is not None else real()
 
         writeout_cache.held_while_cells_run = True
         history_manager.writeout_cache = writeout_cache
 
-    def cell_started(self) -> None:
-        self.running += 1
-        self.idle.clear()
+    def cell_started(self, code: str) -> None:
+        if code.lstrip().startswith("%%on_mesh"):
+            self.idle.clear()
 
-    def cell_ended(self) -> None:
-        self.running -= 1
-        if self.running <= 0:
-            self.running = 0
-            self.idle.set()
+    def call_sent(self) -> None:
+        self.idle.set()
+
+    cell_ended = call_sent
+
+
+def call_sent() -> None:
+    """The running cell has sent its call and now waits: the history thread may write."""
+    hw = HistoryWrites.current
+    if hw is not None:
+        hw.call_sent()

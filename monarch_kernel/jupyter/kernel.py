@@ -42,7 +42,7 @@ class MonarchKernel(IPythonKernel):
         self._cells_running = 0
         _drop_unhandled_debug_records(self.log)
         remember_accepted_parameters()   # ipykernel reads a signature every cell otherwise
-        self._history_writes = HistoryWrites(self.shell.history_manager)   # after the reply
+        self._history_writes = HistoryWrites(self.shell.history_manager)   # not while a cell prepares
         for stream in (sys.stdout, sys.stderr):   # ipykernel's streams, set up before the kernel
             flush_only_text(stream)
         self.shell.extension_manager.load_extension("monarch_kernel")
@@ -56,7 +56,7 @@ class MonarchKernel(IPythonKernel):
 
     async def execute_request(self, stream, ident, parent):
         self._cells_running += 1
-        self._history_writes.cell_started()
+        self._history_writes.cell_started(_code_of(parent))
         try:
             return await super().execute_request(stream, ident, parent)
         finally:
@@ -85,6 +85,14 @@ class MonarchKernel(IPythonKernel):
         except Exception as e:
             self.log.warning("leaving the mesh failed: %s", e)
         return super().do_shutdown(restart)
+
+
+def _code_of(parent) -> str:
+    try:
+        code = parent["content"]["code"]
+    except (KeyError, TypeError):
+        return ""
+    return code if isinstance(code, str) else ""
 
 
 def _drop_unhandled_debug_records(log) -> None:

@@ -136,6 +136,18 @@ ON_MESH.add_argument("--group-outputs", choices=("merged", "rank", "order", "eng
 ON_MESH.add_argument("--show-ranks", metavar="SPEC", help="show only these ranks' output (the cell runs on all)")
 ON_MESH.add_argument("--quiet-ranks", metavar="SPEC", help="hide these ranks' output (kept in `%%mesh logs`)")
 _VALUED = {"--ranks", "--slice", "--timeout", "--out", "--group-outputs", "--show-ranks", "--quiet-ranks"}
+_PARSED: dict[str, argparse.Namespace] = {}   # %%on_mesh's line -> its options (most cells repeat a few)
+
+
+def on_mesh_options(line: str) -> argparse.Namespace:
+    """``ON_MESH.parse_args`` of ``line`` (a fresh copy: callers may change it), parsed once
+    per distinct line; a bad line raises each time, as argparse says."""
+    args = _PARSED.get(line)
+    if args is None:
+        args = ON_MESH.parse_args(shlex.split(line))
+        if len(_PARSED) < 64:
+            _PARSED[line] = args
+    return argparse.Namespace(**vars(args))
 
 
 def split_line_options(line: str) -> tuple[list[str], str]:
@@ -210,7 +222,7 @@ class MeshMagics(Magics):
 
     def _prepare(self, line: str, code: str, want_value: bool):
         try:
-            args = ON_MESH.parse_args(shlex.split(line))
+            args = on_mesh_options(line)
         except _HelpShown:
             return None
         procs, cells = self.require()

@@ -246,14 +246,19 @@ def host_alive(hm: HostMesh | None) -> bool:
     if proc is not None and proc.poll() is not None:   # our child: poll() also reaps it
         return False
     rt = runtime()
-    here = socket.gethostname()
+    child = proc.pid if proc is not None else None   # poll() just said it runs: no /proc read
+    here = None
     gone = 0
     agents = [a for a, _ in hm.agents_and_infos()]
     for a in agents:
         link = rt.agents.get(a["addr"])
         pid = a.get("pid")
-        if (link is not None and link.lost) or (pid and a.get("host") == here and not _pid_alive(pid)):
+        if link is not None and link.lost:
             gone += 1
+        elif pid and pid != child:
+            here = here or socket.gethostname()
+            if a.get("host") == here and not _pid_alive(pid):
+                gone += 1
     # A mesh of several hosts that lost some keeps its other hosts' ranks (and their state).
     return gone == 0 or (len(agents) > 1 and gone < len(agents))
 

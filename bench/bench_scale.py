@@ -16,6 +16,10 @@ For each N (one host agent, N procs), JSON lines {"system", "metric", "value", "
     on_mesh_trivial_cell_kernel_cpu_ms / _mesh_cpu_ms: CPU per such cell of the kernel
     process and of its mesh (agent, zygote, procs), which a shared machine disturbs less
     (bench/cell_cpu.py breaks both down and compares source trees);
+  * floor_call_all_p50_us (``"system": "bare-python"``): the same call to all N with no
+    framework at all, in the same run (bench/floor_raw.py: N forked Python processes on
+    socketpairs, pickle in and out, each waiting as our procs do): the least a call to all
+    N Python processes takes on this machine, to read our figure against (``--no-floor``);
   * ipyparallel_bcast_1KB_p50_us / _1MB / ipyparallel_call_all_p50_us /
     ipyparallel_start_s: the same broadcast with ipyparallel's DirectView
     (``apply_sync``) to N engines on this host, started and stopped by this script
@@ -263,6 +267,15 @@ def ipyparallel_bcast(n: int) -> None:
         cluster.stop_cluster_sync()
 
 
+def floor(n: int) -> None:
+    """bench/floor_raw.py's call to all n bare Python processes, in this run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import floor_raw
+    r = floor_raw.run(n, max(100, iters_for(n)), "poll")
+    emit("floor_call_all_p50_us", r["p50_ms"] * 1e3, "us", n=n, system="bare-python",
+         child_cpu_us_per_child=r["child_cpu_us_per_child"], parent_cpu_ms=r["parent_cpu_ms"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", default="4,16,64", help="proc counts, comma-separated")
@@ -271,6 +284,7 @@ def main() -> None:
     ap.add_argument("--ipp-n", default="", help="engine counts for ipyparallel (default: the same as --n)")
     ap.add_argument("--no-kernel", action="store_true")
     ap.add_argument("--hosts8", action="store_true", help="also 256 procs as 8 netns hosts x 32 (root)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the bare-Python floor (bench/floor_raw.py)")
     a = ap.parse_args()
     ns = [int(x) for x in a.n.split(",") if x]
     if a.with_256 and 256 not in ns:
@@ -285,6 +299,9 @@ def main() -> None:
             actor_api(host, n)
     finally:
         host.shutdown()
+    if not a.no_floor:
+        for n in ns:
+            floor(n)
     if a.hosts8:
         eight_hosts()
     if not a.no_kernel:

@@ -4,7 +4,11 @@ psutil gives CPU %, memory and counts. One ``psutil.Process`` is kept per pid be
 samples because its ``cpu_percent(None)`` is measured since the previous call on the same
 object (a fresh object always says 0.0). USS needs ``memory_full_info()``, which reads
 ``/proc/PID/smaps`` (about 4 ms for a proc that imported torch, against 0.1 ms for the rest),
-so it is refreshed only every ``USS_EVERY`` samples and the last value is repeated between.
+so a proc's is refreshed only every ``USS_EVERY`` samples and the last value is repeated
+between. Those reads are spread over the samples: at most ``USS_PER_SAMPLE`` or a
+``USS_EVERY``-th of the procs a sample, the oldest first; a proc not read yet has no USS
+(None). Reading all of them at once, as the first sample after 256 procs spawned did, cost
+the agent ~1 s of CPU while the user's first calls ran (issue 11).
 
 GPU figures come from NVML (``nvidia-ml-py``) when a GPU is there: memory per process from
 the running compute processes, utilisation per process where the driver reports it, else
@@ -21,7 +25,8 @@ import psutil
 
 log = logging.getLogger("monarch_kernel.telemetry")
 
-USS_EVERY = 10
+USS_EVERY = 10        # samples between two USS reads of one proc
+USS_PER_SAMPLE = 8    # USS reads a sample: this many, or a USS_EVERY-th of the procs if more
 MB = 1024 * 1024
 
 
@@ -95,18 +100,30 @@ class ProcSampler:
         self.gpu = gpu if gpu is not None else GpuProbe()
         self._ps: dict[int, psutil.Process] = {}
         self._uss: dict[int, float] = {}
+        self._uss_at: dict[int, int] = {}   # pid -> the sample that read its USS
         self._count = 0
 
     def forget(self, pid: int) -> None:
         self._ps.pop(pid, None)
         self._uss.pop(pid, None)
+        self._uss_at.pop(pid, None)
+
+    def _uss_due(self, procs: list) -> set:
+        """The pids whose USS this sample reads (see the module docstring)."""
+        at, now = self._uss_at, self._count
+        due = [pid for _, _, pid in procs if now - at.get(pid, -USS_EVERY) >= USS_EVERY]
+        most = max(USS_PER_SAMPLE, -(-len(procs) // USS_EVERY))
+        if len(due) > most:
+            due.sort(key=lambda pid: at.get(pid, -USS_EVERY))   # never read, then the oldest
+            del due[most:]
+        return set(due)
 
     def sample(self, procs: list[tuple[str, int, int]]) -> list[Sample]:
         """``procs``: (mesh name, rank, pid) of each live proc. A proc that vanished between
         the agent's bookkeeping and this call is skipped (its death event says the rest)."""
         now = time.time()
         self._count += 1
-        want_uss = self._count % USS_EVERY == 1
+        uss_due = self._uss_due(procs)
         gpu = self.gpu.per_pid() if self.gpu.available else {}
         rows = []
         for mesh, rank, pid in procs:
@@ -120,16 +137,18 @@ class ProcSampler:
                     rss = ps.memory_info().rss / MB
                     threads = ps.num_threads()
                     fds = ps.num_fds()
-                if want_uss or pid not in self._uss:
+                if pid in uss_due:
                     self._uss[pid] = ps.memory_full_info().uss / MB
+                    self._uss_at[pid] = self._count
             except psutil.Error:
                 self.forget(pid)
                 continue
             g_util, g_mem = gpu.get(pid, (None, None)) if self.gpu.available else (None, None)
             if self.gpu.available and pid not in gpu:
                 g_util, g_mem = 0.0, 0.0   # a GPU host, and this proc uses none of it: a true zero
-            rows.append(Sample(now, self.host, mesh, rank, pid, cpu, round(rss, 2), round(self._uss[pid], 2),
-                               threads, fds, g_util, g_mem))
+            uss = self._uss.get(pid)
+            rows.append(Sample(now, self.host, mesh, rank, pid, cpu, round(rss, 2),
+                               None if uss is None else round(uss, 2), threads, fds, g_util, g_mem))
         for pid in set(self._ps) - {p for _, _, p in procs}:
             self.forget(pid)
         return rows

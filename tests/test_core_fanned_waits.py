@@ -103,6 +103,26 @@ def test_fanned_calls_quick_or_slow_are_read_by_their_waiter_while_the_io_thread
     assert done.wait(10)
 
 
+def test_a_wait_that_times_out_hands_the_inbox_straight_back_to_the_io_thread(sleepers):
+    rt = runtime()
+    delays = []
+    for _ in range(5):
+        for _ in range(3):   # a loop of slow calls first: the I/O thread sleeps through them
+            sleepers.nap.call(0.02).get(30)
+        fut = sleepers.nap.call(0.3)
+        with _io_wakes(rt) as wakes:
+            with pytest.raises(TimeoutError):
+                fut.get(0.02)
+            released = time.monotonic()
+            while True not in wakes and time.monotonic() - released < 10:
+                time.sleep(0.0005)
+            delays.append(time.monotonic() - released)
+        assert fut.get(30).values() == [1] * 4
+    # The I/O thread takes the inbox at once (what comes next, this reply for a kernel's asyncio
+    # loop, is read then), not 10 ms later (the release timer, or a short poll after a kick).
+    assert sum(d < 0.008 for d in delays) >= 3, delays
+
+
 def test_the_io_thread_sleeps_through_a_loop_of_5_ms_calls_too(sleepers):
     rt = runtime()
     for _ in range(3):

@@ -276,13 +276,21 @@ class Inbox:
                     self._release_timer.disarm()
             self._wanted += 1
 
-    def _unwant(self) -> None:
+    def _unwant(self, got: bool = True) -> None:
+        """Let the inbox go. ``got``: the waiter got what it waited for (a loop of calls waits
+        again at once). A wait that gave up instead (a timeout: a kernel's cell goes on waiting
+        from its asyncio loop, through the I/O thread) hands the inbox back at once: kicked, the
+        I/O thread would otherwise see a release under 1 ms old and poll 10 ms more first."""
         with self._want_lock:
             self._wanted -= 1
             last = not self._wanted
             self._released_at = now = time.monotonic()
             if last:
                 self._long_holds = self._long_holds + 1 if now - self._wanted_since >= LONG_HOLD_S else 0
+                if not got:
+                    self._released_at = 0.0
+                    os.write(self._wake_w, b"i")
+                    return
             if last and self._long_poll:   # the I/O thread sleeps until its next tick
                 if self._release_timer is None:
                     os.write(self._wake_w, b"i")   # it takes the inbox back now
@@ -339,7 +347,7 @@ class Inbox:
                 elif holder is not None:
                     fut.wait_briefly(0.01 if left is None else min(0.01, left))
         finally:
-            self._unwant()
+            self._unwant(done())
 
     def _pump(self, fut: Future, deadline, timeout) -> None:
         if self._nested_work is not None and _get_ident() == self._nested_thread:

@@ -189,3 +189,21 @@ def test_a_fanned_call_that_lists_its_members_reaches_them_as_a_joined_one_does(
     host.read()
     (batch,) = host.batches()
     assert batch[1][0][:2] == ("ra", 3) and batch[1][0][3] == b"\x01" * 4
+
+
+def test_a_record_too_short_for_what_it_announces_closes_that_link_and_the_others_answer(host):
+    """A proc's garbled record (a reply or a head shorter than its route or lengths) is not
+    read past its end: that link is closed, as for an unknown kind, and the agent goes on."""
+    host.fan(4)
+    for i in range(6):
+        host.got_call(i)
+    host.peers[1].send(b"r\x04\x00")                       # a reply cut inside its route
+    host.peers[2].send(b"R" + (3).to_bytes(4, "little"))    # a head announcing 3 lengths, none there
+    for i in (0, 3, 4, 5):
+        host.reply(i, 4)
+    host.read()
+    assert "agent.1" not in host.links.by_key and "agent.2" not in host.links.by_key
+    assert host.peers[1].recv(10) == b"" and host.peers[2].recv(10) == b""   # closed
+    host.relay.flush_all()
+    (batch,) = host.batches()
+    assert [(it[0], it[1], it[3]) for it in batch[1]] == [("ra", 4, b"\x01\x00\x00\x01\x01\x01")]

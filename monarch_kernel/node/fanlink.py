@@ -423,7 +423,7 @@ class AgentLinks:
                 if keys:
                     self.on_replies(*route, keys, heads)
                     keys, heads = [], []
-                if rec[:1] == _REPLY1:   # a plain reply: it starts a run
+                if rec[:1] == _REPLY1 and len(rec) > _META_SIZE:   # a plain reply: it starts a run
                     call_id, ok, dn = _unpack_meta(rec, 1)
                     plen = 1 + _META_SIZE + dn
                     prefix = rec[:plen]
@@ -488,6 +488,10 @@ class AgentLinks:
         if c.key is None:
             self._hello(c, rec)
             return
+        if (kind == REPLY or kind == OUTPUT) and len(rec) <= _META_SIZE:
+            log.warning("fan link: proc %s sent a record too short for its route: closed", c.key)
+            self.close(c)
+            return
         if kind == REPLY or kind == OUTPUT:
             call_id, ok, dn = _unpack_meta(rec, 1)
             at = 1 + _META_SIZE + dn
@@ -498,7 +502,12 @@ class AgentLinks:
                 self.on_output(dest, call_id, _loads(rec[at:]))
             return
         if kind == REPLY - _MULTI or kind == OUTPUT - _MULTI:
-            parts = _head(rec, len(rec))
+            try:
+                parts = _head(rec, len(rec))
+            except struct.error:   # shorter than the lengths it announces
+                log.warning("fan link: proc %s sent a truncated head record: closed", c.key)
+                self.close(c)
+                return
             if parts.done():
                 self._take_frames(c, parts.kind, parts.frames())
             else:

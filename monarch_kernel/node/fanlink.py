@@ -461,16 +461,19 @@ class AgentLinks:
 
     def _read(self, c: _Conn) -> None:
         """Read one record of ``c`` (it is readable) and take it."""
-        parts = c.parts
+        parts, rec, n = c.parts, b"", 0
         try:
             if parts is None:
-                self._record(c, c.sock.recv(RECORD_MAX))
-                return
-            n = c.sock.recv_into(parts.rest())
+                rec = c.sock.recv(RECORD_MAX)
+            else:
+                n = c.sock.recv_into(parts.rest())
         except BlockingIOError:
             return
         except OSError:
-            n = 0
+            pass   # its end: closed below
+        if parts is None:
+            self._record(c, rec)
+            return
         if not n:
             self.close(c)
             return

@@ -2,8 +2,9 @@
 call). Quick or slow, its batch is read by the waiting thread itself (one wake), and through
 a loop of slow calls the I/O thread sleeps (the release timer, not a kick, takes the inbox
 back after the last of them; what nobody waits for is still read). The wait hook runs in the
-waiting thread and a timeout leaves the call running. The heartbeat ticks have nothing to do
-between two heartbeats that were answered, and a same-machine agent's end is seen through
+waiting thread and a timeout leaves the call running. While calls flow, they and their
+batches stand for heartbeats; the heartbeat ticks have nothing to do between two heartbeats
+that were answered, and a same-machine agent's end is seen through
 its pidfd; a closed runtime leaves neither that nor its release timer open.
 """
 from __future__ import annotations
@@ -113,6 +114,28 @@ def test_the_io_thread_sleeps_through_a_loop_of_5_ms_calls_too(sleepers):
         took = time.monotonic() - t0
         woken = len(wakes)
     assert woken <= 4 or woken < took / 0.04, (woken, took)   # (a heartbeat tick or two; a slow machine)
+
+
+def test_while_fanned_calls_flow_no_heartbeat_goes_to_their_agent_and_it_keeps_us(sleepers, monkeypatch):
+    rt = runtime()
+    link = next(lk for lk in rt.agents.values() if lk.watched and lk.fan_heartbeats)   # (an agent of fan_version 3)
+    heartbeats = []
+    real = rt.pack_to
+
+    def spy(addr, key, msg):
+        if msg[2] == "hb" and addr == link.addr:
+            heartbeats.append(time.monotonic())
+        return real(addr, key, msg)
+    monkeypatch.setattr(rt, "pack_to", spy)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.5:   # five heartbeat periods of calls (heartbeats every 0.5 s before)
+        assert sleepers.nap.call(0.0).get(30).values() == [1] * 4
+    calls_end = time.monotonic()
+    assert [t for t in heartbeats if t > t0 + 1.0] == [], heartbeats   # (one may be due as the calls start)
+    assert not link.lost and link.unanswered == 0
+    time.sleep(1.5)   # no calls: heartbeats again, and answered
+    assert [t for t in heartbeats if t > calls_end], heartbeats
+    assert not link.lost and sleepers.nap.call(0.0).get(30).values() == [1] * 4   # still attached
 
 
 def test_a_slow_fanned_wait_runs_the_wait_hook_and_honours_its_timeout(sleepers):

@@ -59,6 +59,11 @@ class AgentLink:
         self._pidfd: tuple | None = None   # then (pidfd, its poll object), where the system has them
         self.os_watch: LocalAgentWatch | None = None   # then: is its silence load? (host_liveness.py)
         self.host = ""
+        # Calls fanned out through it (core/fanout.py) stand for heartbeats while they flow both
+        # ways (``tick``): plain values any thread may set (a user thread sends and reads batches).
+        self.fan_heartbeats = False   # it counts our fanned messages as heartbeats (fan_version 3)
+        self.fan_sent = 0.0           # when we last sent it a fanned call
+        self.fan_seen = 0.0           # when we last read a batch of its procs' replies
 
     def post(self, frames) -> bool:
         """Queue ``frames`` to the agent without blocking the I/O thread: False when the
@@ -223,6 +228,17 @@ class AgentLinks:
     def tick(self, now: float) -> None:
         for link in list(self.links.values()):
             if not link.watched:
+                continue
+            if link.fan_heartbeats and not link.lost and now - link.fan_sent < HEARTBEAT_S \
+                    and now - link.fan_seen < HEARTBEAT_S:
+                # Calls flow both ways: the agent counts our fanned calls as heartbeats, we count
+                # its batches as its answers. No heartbeat and no answer (two wakes of this thread
+                # and of the agent's a heartbeat, ~0.2 ms each on a loaded 2-core host). When
+                # either stops for HEARTBEAT_S, heartbeats resume and silence counts from its
+                # last batch.
+                link.last_hb_sent = now
+                link.last_seen = max(link.last_seen, link.fan_seen)
+                link.unanswered = 0
                 continue
             if now - link.last_hb_sent >= HEARTBEAT_S:
                 # A lost link is heartbeaten too: a host that answers again comes back.

@@ -76,6 +76,9 @@ def learn_agent(rt, agent_addr: str, info: dict) -> None:
         return
     _routes[agent_addr] = rt.learn_contact(list(fan))
     _fan[agent_addr] = list(fan)
+    link = rt.agents.get(agent_addr)
+    if link is not None:   # it counts our fanned calls as heartbeats (agent_links.AgentLinks.tick)
+        link.fan_heartbeats = info.get("fan_version", 1) >= 3
     if info.get("fan_version", 1) >= 2:
         _joined.add(agent_addr)
     else:
@@ -140,6 +143,12 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
                 rt.send_frames(_routes[agent], rt.pack(key, env))
     for r in direct:
         rt.send_frames(r.work, frames)
+    if inner is not None and call_id:   # (the agent counts a fanned call as our heartbeat)
+        now, links = time.monotonic(), rt.agents
+        for agent in groups:
+            link = links.get(agent)
+            if link is not None:
+                link.fan_sent = now
 
 
 _ENVIRON = getattr(os.environ, "_data", None)   # what os.environ reads: bytes -> bytes (POSIX)
@@ -297,6 +306,7 @@ def _on_batch(rt, msg, resent: bool = False) -> None:
     none = _NONE
     replies: list = []
     i = 0
+    _heard(rt, items)
     for item in items:
         kind = item[0]
         if kind == "rc":
@@ -354,6 +364,21 @@ def _on_batch(rt, msg, resent: bool = False) -> None:
         if resent:   # sent again after a relay was lost: keep only what did not arrive before
             replies = calls.unanswered(replies)
         _deliver(calls.on_results, replies)
+
+
+def _heard(rt, items: list) -> None:
+    """Each host whose procs' replies are in this batch answered: its agent is alive (its
+    batches stand for heartbeats while we call it, agent_links.AgentLinks.tick). Its host is
+    the host of the first member of each reply item (a relay's batch holds its subtree's)."""
+    now, procs, links = time.monotonic(), rt.procs, rt.agents
+    for item in items:
+        kind = item[0]
+        first = (item[2][0] if item[2] else None) if kind == "rc" else item[2] if kind in ("ra", "r") else None
+        if first:
+            known = procs.get(first)
+            link = links.get(known[0].agent) if known is not None else None
+            if link is not None:
+                link.fan_seen = now
 
 
 def _value(ok: bool, vheader: bytes, buffers: list, i: int, n: int) -> tuple:

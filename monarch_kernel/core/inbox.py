@@ -207,8 +207,10 @@ class Inbox:
             if heard:   # every agent answered: no tick before the next heartbeat is due
                 next_tick = max(next_tick, agents.answered_until())
             if now >= next_tick:
-                next_tick = now + HEARTBEAT_S / 2
                 agents.tick(now)
+                # Half a period while an agent has a heartbeat unanswered, else (answered, or
+                # calls stand for them: AgentLinks.tick) the next one due.
+                next_tick = max(now + HEARTBEAT_S / 2, agents.answered_until())
 
     @staticmethod
     def _drain(inbox, opener, dispatch) -> None:

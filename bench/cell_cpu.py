@@ -12,6 +12,11 @@ per cell, from ``/proc/*/task/*/schedstat`` (ns): the kernel process (``kernel_m
 main thread, where IPython and the cell's output run), the agent, and the N procs together
 (``procs``; ``proc_us``: per proc). The load average goes with each line.
 
+Caveat of the interleaving: what a kernel does between its own cells (after a reply, before
+the next request) lands during the other kernel's cell, so a change that moves work to
+after the reply looks better here than in a run of cells on one kernel; check such a change
+with bench/cell_phases.py (one kernel, the cell's phases).
+
 ``--profile kernel``: cProfile (CPU time of the thread) on the kernel's main thread over the
 timed cells of the last round (turned on and off by plain cells; not left on); ``--profile
 proc``: the same on rank 0's main thread. Prints the top functions (tottime, then cumulative)

@@ -189,7 +189,7 @@ def test_an_on_mesh_cells_input_reaches_the_history_file_once_its_call_is_sent(k
          "                         (hm.session_number, f'%{mark}%')).fetchone()[0]")
     k.ok("on_mesh.CELL_NAMERS.append(lambda body: time.sleep(0.2))   # (a slow start: the GIL is free)")
     try:
-        k.ok("%%on_mesh\nimport time\ntime.sleep(0.5)  # mark-mesh")
+        k.ok("%%on_mesh\nimport time\ntime.sleep(1.0)  # mark-mesh")   # (longer than the 1 s cap after its start)
         r = k.ok("(sent, was_saved), = starts\nprint(was_saved, sent <= hw.write_started < sent + 0.5)")
         assert r.stdout.split() == ["1", "True"], r.stdout   # was: written before the call (False)
     finally:

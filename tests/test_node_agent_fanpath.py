@@ -62,11 +62,12 @@ class Host:
             self.keys.append(c.key)
             self.peers.append(b)
 
-    def fan(self, call_id: int, keys=None, contact=None) -> None:
-        """The controller's fanned call to ``keys`` (all by default), read by the agent."""
+    def fan(self, call_id: int, keys=None, contact=None, joined: bool = True) -> None:
+        """The controller's fanned call to ``keys`` (all by default), read by the agent; the
+        keys NUL-joined as for an agent of fan_version 2, or a list as before."""
         keys = self.keys if keys is None else keys
-        env = ("fan", "\0".join(keys), contact or self.contact, call_id, pickle.dumps(("call", call_id), 5), [], [],
-               None, 0, True)
+        env = ("fan", "\0".join(keys) if joined else list(keys), contact or self.contact, call_id,
+               pickle.dumps(("call", call_id), 5), [], [], None, 0, True)
         self.push.send_multipart(self.keyring.sign(self.key, wire.dumps(env), wire.dest_id(self.relay.fan_ipc)))
         assert self.relay.fan_in.poll(5000)
         self.relay.on_readable(self.relay.fan_in)
@@ -176,3 +177,33 @@ def test_a_fanned_call_from_the_attached_controller_counts_as_its_heartbeat(host
     host.fan(2)
     assert host.agent.controller_seen >= before
     assert host.relay.describe()["fan_version"] >= 3
+
+
+def test_a_fanned_call_that_lists_its_members_reaches_them_as_a_joined_one_does(host):
+    """A controller that sends member keys as a list (to an agent it did not see say
+    fan_version 2) still reaches every member, and the batch still comes back whole."""
+    host.fan(3, host.keys[:4], joined=False)
+    assert [host.got_call(i) for i in range(6)] == [True] * 4 + [False] * 2
+    for i in range(4):
+        host.reply(i, 3)
+    host.read()
+    (batch,) = host.batches()
+    assert batch[1][0][:2] == ("ra", 3) and batch[1][0][3] == b"\x01" * 4
+
+
+def test_a_record_too_short_for_what_it_announces_closes_that_link_and_the_others_answer(host):
+    """A proc's garbled record (a reply or a head shorter than its route or lengths) is not
+    read past its end: that link is closed, as for an unknown kind, and the agent goes on."""
+    host.fan(4)
+    for i in range(6):
+        host.got_call(i)
+    host.peers[1].send(b"r\x04\x00")                       # a reply cut inside its route
+    host.peers[2].send(b"R" + (3).to_bytes(4, "little"))    # a head announcing 3 lengths, none there
+    for i in (0, 3, 4, 5):
+        host.reply(i, 4)
+    host.read()
+    assert "agent.1" not in host.links.by_key and "agent.2" not in host.links.by_key
+    assert host.peers[1].recv(10) == b"" and host.peers[2].recv(10) == b""   # closed
+    host.relay.flush_all()
+    (batch,) = host.batches()
+    assert [(it[0], it[1], it[3]) for it in batch[1]] == [("ra", 4, b"\x01\x00\x00\x01\x01\x01")]

@@ -423,7 +423,7 @@ class AgentLinks:
                 if keys:
                     self.on_replies(*route, keys, heads)
                     keys, heads = [], []
-                if rec[:1] == _REPLY1:   # a plain reply: it starts a run
+                if rec[:1] == _REPLY1 and len(rec) > _META_SIZE:   # a plain reply: it starts a run
                     call_id, ok, dn = _unpack_meta(rec, 1)
                     plen = 1 + _META_SIZE + dn
                     prefix = rec[:plen]
@@ -461,16 +461,19 @@ class AgentLinks:
 
     def _read(self, c: _Conn) -> None:
         """Read one record of ``c`` (it is readable) and take it."""
-        parts = c.parts
+        parts, rec, n = c.parts, b"", 0
         try:
             if parts is None:
-                self._record(c, c.sock.recv(RECORD_MAX))
-                return
-            n = c.sock.recv_into(parts.rest())
+                rec = c.sock.recv(RECORD_MAX)
+            else:
+                n = c.sock.recv_into(parts.rest())
         except BlockingIOError:
             return
         except OSError:
-            n = 0
+            pass   # its end: closed below
+        if parts is None:
+            self._record(c, rec)
+            return
         if not n:
             self.close(c)
             return
@@ -488,6 +491,10 @@ class AgentLinks:
         if c.key is None:
             self._hello(c, rec)
             return
+        if (kind == REPLY or kind == OUTPUT) and len(rec) <= _META_SIZE:
+            log.warning("fan link: proc %s sent a record too short for its route: closed", c.key)
+            self.close(c)
+            return
         if kind == REPLY or kind == OUTPUT:
             call_id, ok, dn = _unpack_meta(rec, 1)
             at = 1 + _META_SIZE + dn
@@ -498,7 +505,12 @@ class AgentLinks:
                 self.on_output(dest, call_id, _loads(rec[at:]))
             return
         if kind == REPLY - _MULTI or kind == OUTPUT - _MULTI:
-            parts = _head(rec, len(rec))
+            try:
+                parts = _head(rec, len(rec))
+            except struct.error:   # shorter than the lengths it announces
+                log.warning("fan link: proc %s sent a truncated head record: closed", c.key)
+                self.close(c)
+                return
             if parts.done():
                 self._take_frames(c, parts.kind, parts.frames())
             else:

@@ -280,13 +280,14 @@ class FanRelay:
         """The procs a fanned message for ``keys`` (one string joined by NUL, fan_version 2,
         or a list) goes to, and how: kept per member list until a proc or a link changes, so
         a call to all costs no lookups and checks per member (the same members every call)."""
-        m = self.members.get(keys) if type(keys) is str else None
-        if m is None:
-            m = _Members(keys.split("\0") if keys else [] if type(keys) is str else keys)
-            if type(keys) is str:
+        if type(keys) is not str:   # a list (an agent of fan_version 1's controller): not kept
+            m = _Members(list(keys))
+        else:
+            m = self.members.get(keys)
+            if m is None:
                 if len(self.members) >= 64:
                     self.members.clear()
-                self.members[keys] = m
+                m = self.members[keys] = _Members(keys.split("\0") if keys else [])
         version = (self.agent.proc_changes(), self.links.changes if self.links is not None else 0)
         if m.version != version:
             procs, linked = self.agent.procs, self.links.by_key if self.links is not None else {}

@@ -34,8 +34,11 @@ def addr_of(contact) -> str:
 
 
 def members(node) -> int:
-    """Members in one node of the tree ``(fan contact, keys, children)``, its subtree included."""
-    return len(node[1]) + sum(members(c) for c in node[2])
+    """Members in one node of the tree ``(fan contact, keys, children)``, its subtree included.
+    ``keys``: a list, or (fan_version 2) one string of keys joined by NUL."""
+    keys = node[1]
+    n = (keys.count("\0") + 1 if keys else 0) if type(keys) is str else len(keys)
+    return n + sum(members(c) for c in node[2])
 
 
 _NONE = wire.dumps(None)[0]   # a None value's pickled header, as procs send it

@@ -337,7 +337,7 @@ class ProcWorker:
         poller.register(lfd, select.POLLIN)
         poller.register(work.getsockopt(zmq.FD), select.POLLIN)
         wait = poller.poll
-        queued = True
+        queued, fired = True, False
         while self.running:
             if deferred:
                 self._run_deferred()
@@ -349,8 +349,14 @@ class ProcWorker:
                     # is empty. Asked through ZMQ_EVENTS, not a recv that may raise zmq.Again:
                     # pyzmq builds that exception in Python (an import and a strerror), ~30 us
                     # a direct call per proc on cold caches.
-                    if work.getsockopt(_EVENTS) & _POLLIN:
-                        self._take(opener(recv(work, _NOBLOCK), "work inbox"), queued)
+                    # Just after the FD fired, work is there: read it without asking first.
+                    if fired or work.getsockopt(_EVENTS) & _POLLIN:
+                        fired = False
+                        try:
+                            frames = recv(work, _NOBLOCK)
+                        except zmq.Again:   # (it fired for libzmq's own commands: rare)
+                            continue
+                        self._take(opener(frames, "work inbox"), queued)
                         queued = True
                         continue
                     self.drain_work = False
@@ -371,7 +377,7 @@ class ProcWorker:
                     if fd != lfd:
                         # Back at once: work was waiting (a pipeline), so its replies may be held.
                         queued = queued or clock() - t0 < _QUEUED_S
-                        self.drain_work = True
+                        self.drain_work = fired = True
                         continue
                     try:
                         msg = link.read()

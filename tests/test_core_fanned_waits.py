@@ -210,14 +210,19 @@ def test_a_same_machine_agent_that_ended_is_seen_through_its_pidfd_zombie_or_not
     assert link._pidfd is None
 
 
-def _pidfds() -> int:
+def _anon_fds(kind: str) -> int:
+    """This process's open fds of one anonymous kind ("pidfd", "timerfd")."""
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+            n += os.readlink(f"/proc/self/fd/{fd}") == f"anon_inode:[{kind}]"
         except OSError:
             pass
     return n
+
+
+def _pidfds() -> int:
+    return _anon_fds("pidfd")
 
 
 def test_a_closed_runtime_leaves_no_pidfd_of_its_agents_behind():
@@ -245,13 +250,7 @@ def test_a_closed_runtime_leaves_no_pidfd_of_its_agents_behind():
 
 
 def _timerfds() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[timerfd]"
-        except OSError:
-            pass
-    return n
+    return _anon_fds("timerfd")
 
 
 def test_a_closed_runtime_leaves_no_release_timer_open():

@@ -30,6 +30,11 @@ _KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "a boolean (1/0
                "str": "a string", "path": "a path", "hex": "a hex string", "choice": "one of"}
 
 
+_ENVIRON = getattr(os.environ, "_data", None)   # what os.environ reads: bytes -> bytes (POSIX)
+_UNREAD = object()
+_SEEN: dict[str, list] = {}   # setting name -> [its key in _ENVIRON, the text's object last read, its value]
+
+
 class ConfigError(ValueError):
     """A ``MONARCH_KERNEL_*`` variable holds a value that cannot be used."""
 
@@ -61,7 +66,22 @@ class Setting:
         return self.raw() is not None
 
     def get(self):
-        """The value now: parsed from the environment, or the default."""
+        """The value now: read from the environment at each call (a user or a test may change
+        it), parsed again only when the variable's text changed. Some are read on every call to
+        many members (core/fanout.py: FANOUT_MIN), where os.environ's Python layers and the parse
+        cost ~2 µs. A path is always worked out again (its default follows HOME)."""
+        if _ENVIRON is None or self.kind == "path":
+            return self._read()
+        seen = _SEEN.get(self.name)
+        if seen is None:
+            seen = _SEEN[self.name] = [os.fsencode(self.env), _UNREAD, None]
+        text = _ENVIRON.get(seen[0])
+        if text is not seen[1]:   # (setting it again, even to the same text, stores a new object)
+            seen[2] = self._read()   # (a bad value raises here, every time, and is not kept)
+            seen[1] = text
+        return seen[2]
+
+    def _read(self):
         raw = self.raw()
         if raw is None:
             return os.path.expanduser(self.default) if self.kind == "path" and self.default else self.default

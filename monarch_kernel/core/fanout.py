@@ -102,7 +102,7 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
     direct = refs
     call_id = msg[reply_at + 1]
     # One member (call_one, a one-rank slice) keeps its one hop; and skips reading the setting.
-    fan_min = _fan_min() if _routes and len(refs) > 1 else 0
+    fan_min = config.FANOUT_MIN.get() if _routes and len(refs) > 1 else 0
     if fan_min and len(refs) >= fan_min and type(call_id) is int and _pid[0] == os.getpid():
         direct = []
         hosts, starts, keys, wire_keys, parts, local_all = _hosts_of(refs)
@@ -149,23 +149,6 @@ def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:
             link = links.get(agent)
             if link is not None:
                 link.fan_sent = now
-
-
-_ENVIRON = getattr(os.environ, "_data", None)   # what os.environ reads: bytes -> bytes (POSIX)
-_FAN_MIN_ENV = os.fsencode(config.FANOUT_MIN.env)
-_fan_min_read: list = [object(), 0]   # (the variable's bytes at the last read, its value)
-
-
-def _fan_min() -> int:
-    """``config.FANOUT_MIN.get()``, read when used as config.py wants, but parsed again only
-    when the variable's value changed: on every call to many members the reading through
-    os.environ and config took a dozen Python calls (~2 µs; more with cold caches)."""
-    if _ENVIRON is None:
-        return config.FANOUT_MIN.get()
-    raw = _ENVIRON.get(_FAN_MIN_ENV)
-    if raw is not _fan_min_read[0]:   # (setting it again stores a new object: read again)
-        _fan_min_read[:] = raw, config.FANOUT_MIN.get()
-    return _fan_min_read[1]
 
 
 def _local(groups: dict) -> int:

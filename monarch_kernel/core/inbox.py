@@ -283,15 +283,15 @@ class Inbox:
         I/O thread would otherwise see a release under 1 ms old and poll 10 ms more first."""
         with self._want_lock:
             self._wanted -= 1
-            last = not self._wanted
             self._released_at = now = time.monotonic()
-            if last:
-                self._long_holds = self._long_holds + 1 if now - self._wanted_since >= LONG_HOLD_S else 0
-                if not got:
-                    self._released_at = 0.0
-                    os.write(self._wake_w, b"i")
-                    return
-            if last and self._long_poll:   # the I/O thread sleeps until its next tick
+            if self._wanted:
+                return
+            self._long_holds = self._long_holds + 1 if now - self._wanted_since >= LONG_HOLD_S else 0
+            if not got:
+                self._released_at = 0.0
+                os.write(self._wake_w, b"i")
+                return
+            if self._long_poll:   # the I/O thread sleeps until its next tick
                 if self._release_timer is None:
                     os.write(self._wake_w, b"i")   # it takes the inbox back now
                 elif not self._closing:   # it takes it back in _SHORT_POLL_MS, unless wanted again
@@ -351,7 +351,12 @@ class Inbox:
 
     def _pump(self, fut: Future, deadline, timeout) -> None:
         if self._nested_work is not None and _get_ident() == self._nested_thread:
-            return self._pump_nested(fut, deadline, timeout)
+            try:
+                return self._pump_nested(fut, deadline, timeout)
+            finally:
+                after = self._nested_work[3]
+                if after is not None:
+                    after()
         inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
         done = fut.done
         if deadline is None:
@@ -385,14 +390,7 @@ class Inbox:
         from its own work inbox, so a sync endpoint can call another actor of its own proc
         without deadlocking."""
         inbox, opener, dispatch, recv = self.sock, self.keyring.open, self._dispatch, wire.recv_message
-        work, handle, also, after = self._nested_work
-        try:
-            self._pump_nested_loop(fut, deadline, timeout, inbox, opener, dispatch, recv, work, handle, also)
-        finally:
-            if after is not None:
-                after()
-
-    def _pump_nested_loop(self, fut, deadline, timeout, inbox, opener, dispatch, recv, work, handle, also) -> None:
+        work, handle, also, _ = self._nested_work
         events, POLLIN = _EVENTS, _POLLIN
         poller = zmq.Poller()
         poller.register(inbox, POLLIN)

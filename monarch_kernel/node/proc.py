@@ -328,8 +328,9 @@ class ProcWorker:
         ~12-15 us per proc per fanned call at 256 procs (53 against 41 us in a bare A/B on
         2 cores), and a fanned call never needs the inbox. ZMQ_FD is edge-triggered: it fires
         when the inbox gets work after a read found it empty. So once it fires the loop reads
-        the inbox until zmq.Again (``self.drain_work``), and again after a nested wait inside an
-        endpoint, which may have read the inbox's signal and left work in it (``_pumped``)."""
+        the inbox until ZMQ_EVENTS says it is empty (``self.drain_work``), and again after a
+        nested wait inside an endpoint, which may have read the inbox's signal and left work in
+        it (``_pumped``)."""
         opener, work, recv, link = self.rt.keyring.open, self.work, wire.recv_message, self.link
         deferred, held, clock = self.deferred, self._held, time.perf_counter
         lfd = link.fd

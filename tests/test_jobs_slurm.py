@@ -356,13 +356,19 @@ def test_salloc_lease_releases_the_allocation_even_with_the_launcher_gone(cluste
         try:
             job.state(cached_path=None)
             job_id = job.job_id
-            if launcher_gone:   # the wrapper first, so it cannot cancel; then srun (its tasks get a SIGTERM)
-                for line in subprocess.run(["pgrep", "-af", "j=\\$1; shift; srun"], capture_output=True,
-                                           text=True).stdout.splitlines():
-                    if f" {job_id} " in line:
-                        os.kill(int(line.split()[0]), signal.SIGKILL)
-                for line in _our_sruns(job_id):
-                    os.kill(int(line.split()[0]), signal.SIGKILL)
+            if launcher_gone:   # the wrapper (so it cannot cancel) and srun, all at once
+                gone = [int(line.split()[0]) for line in _our_sruns(job_id)]
+                gone += [int(line.split()[0]) for line in subprocess.run(
+                    ["pgrep", "-af", "j=\\$1; shift; srun"], capture_output=True, text=True).stdout.splitlines()
+                    if f" {job_id} " in line]
+                # srun is two processes: killed one after the other, the second saw the first die
+                # and cancelled the step with SIGKILL (1 run in 6 under load), before any node could
+                # cancel the allocation. A machine that is gone takes them all at the same instant:
+                # stopped first, none of them can react.
+                for pid in gone:
+                    os.kill(pid, signal.SIGSTOP)
+                for pid in gone:
+                    os.kill(pid, signal.SIGKILL)
             job.disconnect()
             deadline = time.monotonic() + 30
             while cluster.queue() and time.monotonic() < deadline:

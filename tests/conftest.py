@@ -21,6 +21,12 @@ os.environ.setdefault("MONARCH_KERNEL_HOST_TIMEOUT_S", "3.0")
 # Persistent meshes made by tests (and by the kernels they start) expire quickly if a run is
 # killed before its teardown; normal teardown stops them at once.
 os.environ.setdefault("MONARCH_KERNEL_LEASE_S", "120")
+# The interrupt tests press Ctrl-C (a SIGINT to this process or to the tools it starts). A run
+# started in the background by a shell without job control (`bash .ci/run &` in a script)
+# inherits SIGINT ignored, and Python then keeps it ignored: they would fail, or hang on a
+# salloc that ignores it too. Give the suite, and what it starts, the interrupt back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def marked_processes() -> set[int]:

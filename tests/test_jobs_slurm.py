@@ -357,10 +357,7 @@ def test_salloc_lease_releases_the_allocation_even_with_the_launcher_gone(cluste
             job.state(cached_path=None)
             job_id = job.job_id
             if launcher_gone:   # the wrapper (so it cannot cancel) and srun, all at once
-                gone = [int(line.split()[0]) for line in _our_sruns(job_id)]
-                gone += [int(line.split()[0]) for line in subprocess.run(
-                    ["pgrep", "-af", "j=\\$1; shift; srun"], capture_output=True, text=True).stdout.splitlines()
-                    if f" {job_id} " in line]
+                gone = [_launcher_of(job_id), *(int(line.split()[0]) for line in _our_sruns(job_id))]
                 # srun is two processes: killed one after the other, the second saw the first die
                 # and cancelled the step with SIGKILL (1 run in 6 under load), before any node could
                 # cancel the allocation. A machine that is gone takes them all at the same instant:

@@ -189,7 +189,7 @@ class ProcLink:
         self.fd = s.fileno()
         self.lock = threading.Lock()
         self.parts: _Parts | None = None
-        self.scratch = memoryview(bytearray(RECORD_MAX))
+        self.scratch = memoryview(bytearray(RECORD_MAX))   # a record comes in here (``read``)
         self._dests: dict[str, bytes] = {}
         self.received = self.sent = 0   # messages, each way (tests: the fanned path is this one)
 
@@ -208,10 +208,14 @@ class ProcLink:
             self.parts = None
             self.received += 1
             return load(parts.frames())
-        view = self.scratch
-        n = self.sock.recv_into(view)
+        return self.opened(self.sock.recv_into(self.scratch))
+
+    def opened(self, n: int):
+        """``read``'s second half: the record of ``n`` bytes just received into ``scratch``
+        (the proc's fast path receives it itself and comes here for anything but a whole call)."""
         if not n:
             raise EOFError("the agent closed the fan link")
+        view = self.scratch
         self.received += 1
         if view[0] == CALL:
             try:

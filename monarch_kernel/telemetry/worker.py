@@ -38,10 +38,9 @@ class ProcTelemetry:
         if not self.enabled:
             return
         if actor == CELL_ACTOR:
-            if endpoint == "run":   # run(code, filename, ...); a failed cell returns a CellFailure
-                cell = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
-                failed = type(value).__name__ == "CellFailure"
-                self.cells.append((started, self.mesh, self.rank, cell, seconds, ok and not failed))
+            if endpoint == "run" and len(args) > 1:   # run(code, filename, ...); a failed cell returns a CellFailure
+                self.cells.append((started, self.mesh, self.rank, args[1] if type(args[1]) is str else "", seconds,
+                                   ok and type(value).__name__ != "CellFailure"))
             return
         self.calls.append((started, self.mesh, self.rank, actor, endpoint, seconds, ok))
 

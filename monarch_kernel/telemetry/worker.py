@@ -39,8 +39,8 @@ class ProcTelemetry:
             return
         if actor == CELL_ACTOR:
             if endpoint == "run" and len(args) > 1:   # run(code, filename, ...); a failed cell returns a CellFailure
-                self.cells.append((started, self.mesh, self.rank, args[1] if type(args[1]) is str else "", seconds,
-                                   ok and type(value).__name__ != "CellFailure"))
+                ok = ok and type(value).__name__ != "CellFailure"   # (one line a statement: a line event each)
+                self.cells.append((started, self.mesh, self.rank, args[1] if type(args[1]) is str else "", seconds, ok))
             return
         self.calls.append((started, self.mesh, self.rank, actor, endpoint, seconds, ok))
 

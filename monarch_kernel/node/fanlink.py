@@ -212,7 +212,7 @@ class ProcLink:
 
     def opened(self, n: int):
         """``read``'s second half: the record of ``n`` bytes just received into ``scratch``
-        (the proc's fast path receives it itself and comes here for anything but a whole call)."""
+        (the proc's fast path receives it itself and comes here for anything but a call it loaded)."""
         if not n:
             raise EOFError("the agent closed the fan link")
         view = self.scratch

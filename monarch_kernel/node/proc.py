@@ -629,27 +629,28 @@ class ProcWorker:
 
     def _linked_call(self, queued: bool) -> None:
         """The fan link is readable: take its record. The usual one, a call fanned through the
-        agent to a sync endpoint already seen, is read, run and answered on the link here, in
-        one function: at 256 procs on 2 cores each proc runs each call on cold caches, where a
-        Python line costs ~0.5 us and a function call more (issue 11), so this is the fan
-        link's ``read``, ``do_call``'s dispatch, ``_invoke`` and the telemetry record without
-        the calls between them. Anything else goes the general way once read: an actor or
-        method not seen yet, an async or port endpoint, held replies, a broadcast (no call id)
-        to ``do_call``; a raise, a value that is not plain, or output waiting, to
-        ``_finish_call``; a record that is not a whole call, to ``ProcLink.opened``. EOFError
-        when the agent is gone."""
+        agent to a sync endpoint already seen, is read, run and answered on the link here,
+        with the fan link's ``read`` and ``do_call``'s dispatch inline: at 256 procs on 2
+        cores each proc runs each call on cold caches, where a Python line costs ~0.5 us and a
+        function call more (issue 11). Anything else goes the general way once read: a record
+        that is not a whole call to ``ProcLink.opened``, another message to ``_take``; an
+        actor or method not seen yet, an async or port endpoint, held replies, a broadcast (no
+        call id) to ``do_call``; a raise, a value that is not plain, or output waiting, to
+        ``_finish_call``. EOFError when the agent is gone."""
         link = self.link
-        if link.parts is not None:   # the rest of a message in several records
-            msg = link.read()
-        else:
+        msg = None
+        if link.parts is None:
             n = link.sock.recv_into(link.scratch)
-            try:
-                if not n or link.scratch[0] != _LINK_CALL:
-                    raise ValueError
-                msg = _loads(link.scratch[1:n])   # copies what it keeps: the scratch is reused
-                link.received += 1
-            except Exception:
-                msg = link.opened(n)   # (EOFError at 0 bytes; a load failure answered by _take)
+            if n and link.scratch[0] == _LINK_CALL:
+                try:
+                    msg = _loads(link.scratch[1:n])   # copies what it keeps: the scratch is reused
+                    link.received += 1
+                except Exception:
+                    pass   # (opened makes it the load failure _take answers)
+            if msg is None:
+                msg = link.opened(n)
+        else:   # the rest of a message in several records
+            msg = link.read()
         if type(msg) is not tuple or not msg or msg[0] != "call":
             if msg is not None:   # (None: more records of it to come)
                 self._take(msg, queued)
@@ -660,29 +661,15 @@ class ProcWorker:
         if (entry is None or entry[1] or entry[2] or self._held or type(call_id) is not int or not call_id
                 or not reply_to.startswith(_FAN_PREFIX)):
             return self.do_call(msg)
-        name, exc, ours = entry[0], None, False
-        token = _CTX.set(slot.ctx)
-        self.busy_call, self.state = (reply_to, call_id), entry[3]
-        active = self.active
-        active.append(aid)
-        t0 = _clock()
-        try:   # (_invoke's try, inline)
-            value = getattr(slot.obj, name)(*args, **kwargs)
-        except BaseException as e:
-            exc, value = e, self._error(e, f"{slot.name}.{name}")
-            ours = self.interrupting is not None and self.interrupting == self.busy_call
-        finally:
-            took = _clock() - t0
-            active.pop()
-            _CTX.reset(token)
-            self.busy_call, self.state, self.interrupting = None, "idle", None
+        name = entry[0]
+        value, ok, exc, ours, took = self._invoke(slot, aid, name, entry[3], args, kwargs, (reply_to, call_id))
         if self.telemetry.enabled:
-            self.telemetry.record_call(slot.name, name, args, _time() - took, took, exc is None, value)
-        if exc is None and type(value) in PLAIN_TYPES and not (self.stdout._buf or self.stderr._buf
-                                                               or self.output_limit.skipped):
+            self.telemetry.record_call(slot.name, name, args, _time() - took, took, ok, value)
+        if ok and type(value) in PLAIN_TYPES and not (self.stdout._buf or self.stderr._buf
+                                                      or self.output_limit.skipped):
             link.send_reply(reply_to[_FAN_PREFIX_LEN:], call_id, True, _dumps(value, 5))
             return
-        self._finish_call(aid, reply_to, call_id, exc is None, value, False, exc, ours)
+        self._finish_call(aid, reply_to, call_id, ok, value, False, exc, ours)
 
     def _response_port(self, reply_to, call_id):
         """What an explicit-response endpoint answers through: the Port given to send(), a

@@ -141,38 +141,44 @@ def test_a_saved_and_reopened_notebook_shows_no_widget_error(page):
     shot(page, "4b-reopened-debugger-cell")
 
 
-def _launcher_logo(page):
-    """A new launcher's Monarch card and the <img> of its logo (none: the card shows a letter)."""
+def _open_launcher(page):
     page.evaluate("""async () => { const app = window.jupyterapp;
       const w = await app.commands.execute('launcher:create'); app.shell.activateById(w.id); }""")
-    card = page.locator(".jp-LauncherCard[title*='Monarch']:visible").first
-    card.wait_for(timeout=30_000)
-    img = card.locator("img")
-    try:   # the card is drawn before its kernelspec logo loads (CI once counted 0 images)
-        img.first.wait_for(timeout=15_000)
-    except Exception:
-        pass   # the assert says what is missing
-    return card, img
 
 
+# The src of the logo on a shown Monarch launcher card, read in one step in the page: round 11's
+# CI counted the card's <img> and then timed out reading its src, the card having been redrawn
+# between the two reads (a locator is looked up again on every use).
+_MONARCH_CARD_LOGO = """() => Array.from(document.querySelectorAll('.jp-LauncherCard'))
+  .filter(c => (c.title || '').includes('Monarch') && c.offsetParent !== null)
+  .map(c => c.querySelector('img')).map(i => i && i.getAttribute('src'))
+  .find(src => src && src.includes('logo')) || null"""
 _LAUNCHER_CARDS = """() => Array.from(document.querySelectorAll('.jp-LauncherCard'))
   .filter(c => (c.title || '').includes('Monarch')).map(c => c.outerHTML.slice(0, 300))"""
 _SPEC_RESOURCES = """() => { const s = window.jupyterapp.serviceManager.kernelspecs.specs;
   return JSON.stringify(s && s.kernelspecs.monarch ? s.kernelspecs.monarch.resources : s); }"""
 
 
+def _wait_for_logo(page, timeout_ms):
+    try:
+        return page.wait_for_function(_MONARCH_CARD_LOGO, timeout=timeout_ms, polling=250).json_value()
+    except Exception:
+        return None
+
+
 def test_the_launcher_shows_the_kernels_logo(page):
-    card, img = _launcher_logo(page)
-    if img.count() == 0:
-        # Seen twice in CI under load, never alone: the card drew a letter. Say what the page
-        # knew of the kernelspec then, and ask once more after a refresh of the specs (a letter
-        # again fails the test).
-        # (read without waiting: in round 8's CI the card itself was gone by then, and a wait
-        # on it timed out before the second look)
+    _open_launcher(page)
+    page.locator(".jp-LauncherCard[title*='Monarch']:visible").first.wait_for(timeout=30_000)
+    src = _wait_for_logo(page, 20_000)   # the card is drawn before its kernelspec logo loads
+    if src is None:
+        # Seen in CI under load, never alone: the card drew a letter. Say what the page knew of
+        # the kernelspec then, and look once more after a refresh of the specs and a new launcher
+        # (a letter again fails the test).
         first = (page.evaluate(_LAUNCHER_CARDS), page.evaluate(_SPEC_RESOURCES))
         page.evaluate("() => window.jupyterapp.serviceManager.kernelspecs.refreshSpecs()")
         shot(page, "5-launcher-letter")
-        card, img = _launcher_logo(page)
-        assert img.count() == 1, f"no logo on the card twice; the first time: {first}"
-    assert img.count() == 1 and "logo" in img.get_attribute("src")   # was: a letter "M" like Markdown's
+        _open_launcher(page)
+        src = _wait_for_logo(page, 30_000)
+        assert src is not None, f"no logo on the Monarch card twice; the first time: {first}"
+    assert "logo" in src   # was: a letter "M" like Markdown's
     shot(page, "5-launcher")

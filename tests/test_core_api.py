@@ -87,6 +87,14 @@ class Counter(Actor):
         return "done"
 
     @endpoint
+    def talk_both(self, lines: int) -> str:
+        for i in range(lines):
+            print(f"out {i}")
+            if i % 7 == 0:
+                print(f"err {i}", file=sys.stderr)
+        return "done"
+
+    @endpoint
     async def async_whoami(self) -> tuple:
         await asyncio.sleep(0.01)
         return (current_rank().rank, threading.current_thread().name)
@@ -385,6 +393,31 @@ def test_worker_output_reaches_the_controller_by_rank_in_order(counters):
         # line by line: every chunk but a final flush ends at a line boundary
         chunks = [t for rank, s, t in got if rank == r and s == "stdout"]
         assert all(c.endswith("\n") for c in chunks[:-1])
+
+
+def test_lines_printed_fast_go_in_a_few_messages_in_the_order_written(counters):
+    """A proc's lines printed within 20 ms of each other travel together
+    (node/output_batch.py): 400 lines in a loop were 400 messages for the agent and the
+    controller to carry, one at a time; across stdout and stderr they keep their order."""
+    rt = runtime()
+    got: list = []
+    orig = rt.output
+    rt.output = lambda rank, stream, text: got.append((rank, stream, text))
+    try:
+        assert counters.talk_both.call(400).get(30).values() == ["done", "done"]
+    finally:
+        rt.output = orig
+    for r in (0, 1):
+        mine = [(s, t) for rank, s, t in got if rank == r]
+        lines = [(s, line) for s, t in mine for line in t.splitlines()]
+        expected = []
+        for i in range(400):
+            expected.append(("stdout", f"out {i}"))
+            if i % 7 == 0:
+                expected.append(("stderr", f"err {i}"))
+        assert lines == expected
+        stdout_messages = [t for s, t in mine if s == "stdout"]
+        assert len(stdout_messages) <= 80, f"{len(stdout_messages)} messages for 400 lines"
 
 
 def test_a_flood_of_output_is_limited_at_the_proc_and_the_rest_is_counted(counters):

@@ -143,6 +143,15 @@ def test_repeated_floods_do_not_grow_the_kernels_memory(k):
     assert grown < 32, f"the kernel grew {grown:.0f} MiB over three floods"
 
 
+def test_the_first_line_of_the_cell_after_a_flood_is_shown(k):
+    """A flood's lines travel in batches; the proc's limit lets through only as many lines of
+    a batch as it has tokens for. Let through whole, a batch taken on the last token left the
+    limit seconds in debt, and the next cell's first line went only to the log."""
+    k.ok("%%on_mesh\nfor i in range(3_000):\n    print(f'flood {rank} line {i}')", timeout=180)
+    r = k.ok("%%on_mesh --ranks 0,1\nprint('after the flood')")
+    assert r.stdout == "[ranks 0-1] after the flood\n", r.stderr
+
+
 def test_rich_displays_held_then_live_still_become_one_grid(k):
     """A cell that outlives the hold writes what it held: figures/HTML of several ranks go
     to the grid, not one display each (the text path must not swallow them)."""

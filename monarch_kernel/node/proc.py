@@ -52,6 +52,7 @@ from monarch_kernel.core.wire import PLAIN_TYPES
 from monarch_kernel.debug import worker as debugger  # imported here so the zygote pays for pdb
 from monarch_kernel.node import fanlink, fanout
 from monarch_kernel.node.held_replies import HOLD_S, HeldReplies
+from monarch_kernel.node.output_batch import OutputBatch
 from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
 from monarch_kernel.telemetry.worker import ProcTelemetry
 
@@ -74,37 +75,49 @@ class ActorSlot:
         self.methods.clear()
 
 
+def _nth_newline(text: str, n: int) -> int:
+    """Where the ``n``-th line of ``text`` ends."""
+    at = -1
+    for _ in range(n):
+        at = text.index("\n", at + 1)
+    return at
+
+
 class ForwardingStream(TextSink):
     """sys.stdout / sys.stderr of a proc: complete lines go to the controller (the sink),
-    tagged with the rank, from the writing thread's own socket; the reply to a call is
-    sent after a flush on the same socket, so output always arrives before the result."""
+    tagged with the rank, from the writing thread's own socket, at once or in a batch while
+    they come fast (output_batch.py); the reply to a call is sent after a flush on the same
+    socket, so output always arrives before the result."""
 
-    def __init__(self, worker: ProcWorker, name: str):
-        self._worker, self._name = worker, name
+    def __init__(self, worker: ProcWorker, name: str, batch: OutputBatch):
+        self._worker, self.name, self._batch = worker, name, batch
         self._buf: list[str] = []
-        self._lock = threading.Lock()
 
     def write(self, s: str) -> int:
         if not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        with self._lock:
+        with self._batch.lock:
             self._buf.append(s)
-            if "\n" not in s:
-                return len(s)
-            text = "".join(self._buf)
-            cut = text.rfind("\n") + 1
-            self._buf = [text[cut:]] if cut < len(text) else []
-        self._worker.emit_output(self._name, text[:cut])
+            if "\n" in s:
+                self._batch.lines(self)
         return len(s)
+
+    def take_lines(self) -> str:
+        """The whole lines written so far, taken from the buffer (under the batch's lock)."""
+        text = "".join(self._buf)
+        cut = text.rfind("\n") + 1
+        self._buf = [text[cut:]] if cut < len(text) else []
+        return text[:cut]
 
     def flush(self):
         if not self._buf:
             return
-        with self._lock:
+        with self._batch.lock:
+            self._batch.flush()
             text = "".join(self._buf)
             self._buf = []
-        if text:
-            self._worker.emit_output(self._name, text)
+            if text:
+                self._worker.emit_output(self.name, text)
 
 
 class ProcWorker:
@@ -160,8 +173,9 @@ class ProcWorker:
         rt.on_agent_event("sink", self._on_sink)
         rt.on_agent_event("died", lambda link, key, failure: self._peer_died(key, failure), replace=True)
         rt.death_listeners.append(self._supervise_owned)
-        self.stdout = ForwardingStream(self, "stdout")
-        self.stderr = ForwardingStream(self, "stderr")
+        self.output_batch = OutputBatch(self.emit_output)   # both streams: one order
+        self.stdout = ForwardingStream(self, "stdout", self.output_batch)
+        self.stderr = ForwardingStream(self, "stderr", self.output_batch)
         self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
         self.output_limit = OutputLimit()   # past it, output goes to the log file only
         # Replies held by the main thread while more calls wait in the work inbox (_hold_reply).
@@ -179,8 +193,12 @@ class ProcWorker:
             (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
-        if not self.output_limit.admit(text.count("\n") or 1):
-            return   # in the log file only; the count goes with the next line or reply
+        lines = text.count("\n") or 1
+        n = self.output_limit.admit(lines)
+        if n < lines:   # the rest in the log file only; the count goes with the next line or reply
+            if not n:
+                return
+            text = text[:_nth_newline(text, n) + 1]
         self._send_skipped(sink)
         # messages.Output as a literal, in field order: plain values, so it takes the replies'
         # lean path (one C pickle, signed in one pass), through the agent when the call was fanned.

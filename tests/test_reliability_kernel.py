@@ -1,6 +1,7 @@
 """Reliability through a real kernel (jupyter_client): one stuck rank is blamed alone."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -57,3 +58,18 @@ def test_after_a_rank_dies_in_a_cell_the_ranks_that_finished_keep_their_values(k
     text = r.stdout + r.stderr + str(r.error)
     assert "SupervisionError" in text and "rank 2" in text, text
     assert k.value("_on_mesh.values()[0]") == 10       # rank 1 finished: its value is kept
+
+
+def test_ranks_that_die_of_the_same_cause_are_one_error_naming_their_ranks(k):
+    """A lost host fails all its ranks at once; their failures differ only in the rank and
+    pid they name. Shown one by one that was 256 paragraphs for a 256-rank host; now one
+    group, `ranks 1-2: SupervisionError: mesh '...' (host ...): ...` (rank 0 may still be
+    in the catastrophic regex of the test above)."""
+    k.ok("mesh.respawn()", timeout=60)   # (an earlier test left rank 2 dead)
+    r = k.run("%%on_mesh --ranks 1,2\nimport os\nos._exit(7)", timeout=60)
+    assert r.status == "error"
+    tb = "\n".join(r.error["traceback"])
+    assert tb.count("SupervisionError: mesh") == 1, tb
+    assert re.search(r"ranks 1-2: SupervisionError: mesh '\w+' \(host [^,()]+\): proc exited with code 7", tb), tb
+    k.ok("mesh.respawn()", timeout=60)
+    assert k.ok("%%on_mesh --ranks 1,2\nrank * 10").result   # usable again

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import Callable
 
@@ -272,17 +273,19 @@ def outcome(run: _Run, values) -> CellValues:
     groups: dict[tuple[str, str], list] = {}
     for r, v in zip(run.ranks, values, strict=False):
         if isinstance(v, CellFailure):
-            key, tb = (v.exc_type, v.message), v.traceback
+            key, tb, own = (v.exc_type, v.message), v.traceback, v.message
         elif isinstance(v, ActorError):
-            key, tb = (v.exc_type or "ActorError", v.message), v.remote_traceback
+            own = v.message
+            key, tb = (v.exc_type or "ActorError", _without_who(own)), v.remote_traceback
         else:
             continue
-        g = groups.setdefault(key, [[], tb])
+        g = groups.setdefault(key, [[], tb, own])
         g[0].append(r)
     if not groups:
         return result
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0][0])
-    gs = [(ranks, t, m, tb) for (t, m), (ranks, tb) in ordered]
+    # (a rank alone keeps its own words, its pid among them)
+    gs = [(ranks, t, own if len(ranks) == 1 else m, tb) for (t, m), (ranks, tb, own) in ordered]
     failed = {r for g in gs for r in g[0]}
     ok = [r for r in run.ranks if r not in failed]
     note = f"the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""
@@ -291,6 +294,17 @@ def outcome(run: _Run, values) -> CellValues:
             f"; {note}" if note else "")
         raise cell_error(gs, result, note, base=CellInterrupted)
     raise cell_error(gs, result, note)
+
+
+# "rank 17 (host vm, pid 4242)" in a failure's words (core/errors.py: MeshFailure)
+_WHO = re.compile(r" rank \d+ \(host ([^,()]*), pid \d+\)")
+
+
+def _without_who(message: str) -> str:
+    """A failure's words without the rank and pid they name, so that the ranks of a lost
+    host are one group (``ranks 0-255: SupervisionError: mesh 'procs' (host vm): host lost:
+    ...``), not 256 paragraphs that differ in two numbers."""
+    return _WHO.sub(r" (host \1)", message) if " pid " in message else message
 
 
 def rank_list(ranks) -> str:

@@ -29,20 +29,30 @@ class OutputLimit:
         self.tokens = self.burst
         self.stamp = time.monotonic()
         self.skipped = 0
+        # Once the tokens ran out, lines go again only when a second's worth came back: a
+        # flood then sends one message a second a proc, not one a batch (each batch let through
+        # on the token it had earned: 50 messages a second a proc, 12,800 for an agent of 256).
+        self.resume_at = max(1.0, min(self.burst, self.rate))
+        self.exhausted = None   # while the tokens come back: the call that ran them out
         self._lock = threading.Lock()
 
-    def admit(self, lines: int) -> int:
+    def admit(self, lines: int, call=None) -> int:
         """How many of ``lines`` lines (the first ones of a message) may go to the controller;
         the rest are counted as kept back. A batch is cut where the tokens run out rather than
         let through whole: a batch of 300 lines let through on the last token put the limit 6 s
-        in debt, and the next cell's first line was kept back."""
+        in debt, and the next cell's first line was kept back. ``call``: the call that prints
+        (a new one has its lines let through from the tokens there are)."""
         if self.rate <= 0:
             return lines
         with self._lock:
             now = time.monotonic()
             self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
             self.stamp = now
-            n = min(lines, max(0, int(self.tokens + 0.999)))   # (a fraction of a token lets a line go)
+            if self.exhausted is not None and (self.tokens >= self.resume_at or call != self.exhausted[0]):
+                self.exhausted = None
+            n = 0 if self.exhausted is not None else min(lines, int(self.tokens))
+            if n < lines:
+                self.exhausted = (call,)
             self.tokens -= n
             self.skipped += lines - n
             return n

@@ -36,7 +36,6 @@ from monarch_kernel.core.messages import (
     Interrupt,
     KillActor,
     LoggingOption,
-    Output,
     Query,
     Reply,
     Spawn,
@@ -194,17 +193,21 @@ class ProcWorker:
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
         lines = text.count("\n") or 1
-        n = self.output_limit.admit(lines)
+        busy = self.busy_call
+        n = self.output_limit.admit(lines, busy)
         if n < lines:   # the rest in the log file only; the count goes with the next line or reply
             if not n:
                 return
             text = text[:_nth_newline(text, n) + 1]
-        self._send_skipped(sink)
-        # messages.Output as a literal, in field order: plain values, so it takes the replies'
-        # lean path (one C pickle, signed in one pass), through the agent when the call was fanned.
-        msg = ("out", self.rank, stream, text)
+        self._send_skipped(sink, busy)
+        self._send_output(sink, busy, ("out", self.rank, stream, text))
+
+    def _send_output(self, sink, busy, msg) -> None:
+        """messages.Output as a literal, in field order: plain values, so it takes the replies'
+        lean path (one C pickle, signed in one pass), through the agent when the call was
+        fanned (as its reply will: the count of lines kept back too, or it could come after
+        the reply and miss the cell's count)."""
         try:
-            busy = self.busy_call
             route = fanout.output_route(self.gather, busy, sink[0])
             if route is not None:
                 if self.link is not None:
@@ -218,18 +221,15 @@ class ProcWorker:
         except (zmq.ZMQError, OSError):   # (its agent gone: this proc goes with it)
             pass
 
-    def _send_skipped(self, sink) -> None:
+    def _send_skipped(self, sink, busy) -> None:
         n = self.output_limit.take_skipped()
         if n and sink is not None:
-            try:
-                self.rt.send(sink[0], sink[1], Output.make(self.rank, SKIPPED, skipped_text(self.rank, n)))
-            except zmq.ZMQError:
-                pass
+            self._send_output(sink, busy, ("out", self.rank, SKIPPED, skipped_text(self.rank, n)))
 
     def flush_output(self):
         self.stdout.flush()
         self.stderr.flush()
-        self._send_skipped(self.sink)
+        self._send_skipped(self.sink, self.busy_call)
 
     # ---------------------------------------------------------------- I/O-thread notices
     def _on_sink(self, link, addr, key):

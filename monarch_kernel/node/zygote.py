@@ -47,10 +47,9 @@ def _preload() -> float:
 
 
 def main() -> None:
-    from monarch_kernel.node.linux import die_with_parent, own_scheduling_group
+    from monarch_kernel.node.linux import die_with_parent
 
     die_with_parent(config.AGENT_PID.get() or None)
-    own_scheduling_group()
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to the agent's log, not the protocol pipe
     preload_s = _preload()

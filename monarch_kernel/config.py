@@ -248,6 +248,8 @@ PROC_OUTPUT_BURST = _declare("PROC_OUTPUT_BURST", "float", 500.0, "lines a proc 
 OUTPUT_BATCH_MS = _declare("OUTPUT_BATCH_MS", "float", 20.0, "lines a proc prints within this many "
                            "ms of the last ones sent go together, in one message (0: a message a line)",
                            "proc", minimum=0)
+OUTPUT_LINE_CHARS = _declare("OUTPUT_LINE_CHARS", "int", 10000, "characters of a printed line a proc "
+                             "sends; the rest only in its log (0: whole lines)", "proc", minimum=0)
 KEEP_CUDA_VISIBLE = _declare("KEEP_CUDA_VISIBLE", "bool", False, "procs keep the inherited "
                              "`CUDA_VISIBLE_DEVICES` instead of one GPU each", "proc")
 NO_TORCH = _declare("NO_TORCH", "bool", False, "the zygote does not import torch before forking procs",

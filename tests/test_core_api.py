@@ -395,29 +395,52 @@ def test_worker_output_reaches_the_controller_by_rank_in_order(counters):
         assert all(c.endswith("\n") for c in chunks[:-1])
 
 
-def test_lines_printed_fast_go_in_a_few_messages_in_the_order_written(counters):
-    """A proc's lines printed within 20 ms of each other travel together
-    (node/output_batch.py): 400 lines in a loop were 400 messages for the agent and the
-    controller to carry, one at a time; across stdout and stderr they keep their order."""
+def test_lines_printed_fast_in_a_fanned_call_go_in_a_few_messages_in_the_order_written(counters, monkeypatch):
+    """A proc's lines printed within 20 ms of each other in a call fanned through the agent
+    travel together (node/output_batch.py): 400 lines in a loop were 400 messages for the
+    agent and the controller to carry, one at a time (here 150 for 150; now one each time
+    stderr cuts in, every 7 lines); across stdout and stderr they keep their order."""
+    monkeypatch.setenv("MONARCH_KERNEL_FANOUT_MIN", "2")   # (2 procs: through their agent)
     rt = runtime()
     got: list = []
     orig = rt.output
     rt.output = lambda rank, stream, text: got.append((rank, stream, text))
     try:
-        assert counters.talk_both.call(400).get(30).values() == ["done", "done"]
+        assert counters.talk_both.call(150).get(30).values() == ["done", "done"]
     finally:
         rt.output = orig
     for r in (0, 1):
         mine = [(s, t) for rank, s, t in got if rank == r]
         lines = [(s, line) for s, t in mine for line in t.splitlines()]
         expected = []
-        for i in range(400):
+        for i in range(150):
             expected.append(("stdout", f"out {i}"))
             if i % 7 == 0:
                 expected.append(("stderr", f"err {i}"))
         assert lines == expected
         stdout_messages = [t for s, t in mine if s == "stdout"]
-        assert len(stdout_messages) <= 80, f"{len(stdout_messages)} messages for 400 lines"
+        assert len(stdout_messages) <= 40, f"{len(stdout_messages)} messages for 150 lines"
+
+
+def test_lines_of_a_direct_call_keep_their_order_with_a_thread_printing_too(counters):
+    """A direct call's lines go one message a line from the writing thread's own socket, as
+    before batching; interleaved with stderr, they arrive in the order written."""
+    rt = runtime()
+    got: list = []
+    orig = rt.output
+    rt.output = lambda rank, stream, text: got.append((rank, stream, text))
+    try:
+        assert counters.talk_both.call(100).get(30).values() == ["done", "done"]
+    finally:
+        rt.output = orig
+    expected = []
+    for i in range(100):
+        expected.append(("stdout", f"out {i}"))
+        if i % 7 == 0:
+            expected.append(("stderr", f"err {i}"))
+    for r in (0, 1):
+        lines = [(s, line) for rank, s, t in got if rank == r for line in t.splitlines()]
+        assert lines == expected
 
 
 def test_a_flood_of_output_is_limited_at_the_proc_and_the_rest_is_counted(counters):

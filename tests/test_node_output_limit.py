@@ -50,7 +50,8 @@ def test_the_next_call_prints_at_once_after_a_flood(clock):
     assert limit.admit(1000, "cell 1") == 500
     clock.t += 0.1                # 5 tokens back: not enough to resume the flood ...
     assert limit.admit(10, "cell 1") == 0
-    assert limit.admit(1, "cell 2") == 1    # ... but the next cell's first line goes
+    assert limit.admit(1, "cell 2") == 1    # ... but the next cell's first lines go
+    assert limit.admit(40, "cell 3") == 10  # (10 of them, even with no tokens left)
 
 
 def test_a_rate_of_zero_turns_the_limit_off(clock):

@@ -152,6 +152,30 @@ def test_the_first_line_of_the_cell_after_a_flood_is_shown(k):
     assert r.stdout == "[ranks 0-1] after the flood\n", r.stderr
 
 
+def test_a_line_of_10_mb_reaches_the_notebook_cut_and_the_log_keeps_it_whole(k):
+    """8 ranks x a 10 MB line sent whole held 80 MB in the kernel (and 256 ranks 2.5 GB) for
+    a front-end that cannot show it: each proc sends the first 10,000 characters and says how
+    many more its log has; identical long lines still merge."""
+    rss = "__import__('psutil').Process().memory_info().rss"
+    before = k.value(rss)
+    r = k.ok("%%on_mesh\nprint('x' * 10_000_000)", timeout=120)
+    assert len(r.stdout) < 11_000, len(r.stdout)
+    assert r.stdout.startswith(f"[ranks 0-{N - 1}] " + "x" * 100)
+    assert r.stdout.endswith("... [9,990,000 more characters in the rank's log]\n"), r.stdout[-200:]
+    assert (k.value(rss) - before) / 2**20 < 40
+    logs = k.ok("%mesh logs --ranks 3 --tail 1").stdout
+    assert logs.count("x") >= 10_000_000 - 10   # (every character, in the rank's log)
+
+
+def test_a_progress_bar_redrawn_on_one_line_shows_its_last_drawing(k):
+    """tqdm redraws its bar with carriage returns: 20,000 drawings on one line, cut, would
+    show the first ones; the last one is what a terminal shows."""
+    r = k.ok("%%on_mesh --ranks 0\nimport sys\nfor i in range(20_000):\n"
+             "    sys.stdout.write(f'\\rstep {i:05d} of 20000')\nprint()", timeout=120)
+    assert r.stdout.endswith("step 19999 of 20000\n"), r.stdout[-300:]
+    assert len(r.stdout) < 11_000, len(r.stdout)
+
+
 def test_rich_displays_held_then_live_still_become_one_grid(k):
     """A cell that outlives the hold writes what it held: figures/HTML of several ranks go
     to the grid, not one display each (the text path must not swallow them)."""

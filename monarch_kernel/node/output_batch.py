@@ -9,6 +9,13 @@ agent to forward: the flood took 73 s on 2 cores, most of it the agent's, and a 
 spent ~30 us of CPU a line (a message, a pickle, a send, a flushed write to its log).
 ipykernel batches a kernel's own output the same way (every 0.2 s).
 
+Only a call fanned through the agent batches: its output and its reply travel on the fan
+link, one socket that every thread of the proc sends on under a lock, so the timer thread's
+batch keeps its place. A direct call's output goes on the writing thread's own ZeroMQ socket,
+as its reply does: lines sent by another thread could be read after later ones (a receiver
+takes turns between sockets), so there each line goes at once, as before (fewer than
+``MONARCH_KERNEL_FANOUT_MIN`` ranks: a flood there is within what the controller takes).
+
 Both streams of a proc share one batch, so lines keep their order across stdout and
 stderr: when the other stream writes a line, the waiting lines go first. The lock is held
 while lines are sent, so the timer's send and the reply's flush cannot overtake each other.
@@ -23,19 +30,26 @@ from monarch_kernel import config
 
 
 class OutputBatch:
-    def __init__(self, send, interval_s: float | None = None):
-        self.send = send   # (stream name, text of whole lines) -> None
+    def __init__(self, send, current_call=lambda: None, batchable=lambda call: True,
+                 interval_s: float | None = None):
+        self.send = send   # (stream name, text of whole lines, the call that printed them) -> None
+        self.current_call = current_call
+        self.batchable = batchable   # may this call's lines wait? (is their way one any thread may send on)
         self.interval = config.OUTPUT_BATCH_MS.get() / 1e3 if interval_s is None else interval_s
         self.lock = threading.RLock()
         self.sent_at = 0.0
         self.waiting = None   # the stream whose whole lines wait for the timer
+        self.call = None      # the call that printed them: their output goes its way (a
+        # call fanned through the agent: up through the agent, before its reply), even when
+        # the timer sends them after the call returned and before its reply went
         self._wake = threading.Event()
         self._timer: threading.Thread | None = None
         os.register_at_fork(after_in_child=self._forked)
 
     def _forked(self) -> None:
         """A child of user code's fork starts with a free lock and no timer thread."""
-        self.lock, self._wake, self._timer, self.waiting = threading.RLock(), threading.Event(), None, None
+        self.lock, self._wake, self._timer = threading.RLock(), threading.Event(), None
+        self.waiting = self.call = None
 
     def lines(self, stream) -> None:
         """``stream`` (under ``self.lock``) has whole lines in its buffer: send them now, or
@@ -43,10 +57,16 @@ class OutputBatch:
         if self.waiting is not None and self.waiting is not stream:
             self._send(self.waiting)   # the other stream's lines were written first
         now = time.monotonic()
-        if self.interval <= 0 or now - self.sent_at >= self.interval:
+        call = self.current_call()
+        if self.interval <= 0 or now - self.sent_at >= self.interval or not self.batchable(call):
+            if self.waiting is not None:
+                self._send(self.waiting)   # (with the call that printed them)
+            self.call = call
             self._send(stream)
             self.sent_at = now
             return
+        if self.waiting is None:
+            self.call = call
         self.waiting = stream
         if self._timer is None:
             self._timer = threading.Thread(target=self._run, name="monarch-output-batch", daemon=True)
@@ -63,7 +83,7 @@ class OutputBatch:
         self.waiting = None
         text = stream.take_lines()
         if text:
-            self.send(stream.name, text)
+            self.send(stream.name, text, self.call)
 
     def _run(self) -> None:
         while True:

@@ -20,6 +20,7 @@ import time
 from monarch_kernel import config
 
 SKIPPED = "skipped"   # the output "stream" that carries a count of lines kept back
+FRESH_CALL_LINES = 10   # lines a new call may always send (a cell's first lines after a flood)
 
 
 class OutputLimit:
@@ -33,26 +34,29 @@ class OutputLimit:
         # flood then sends one message a second a proc, not one a batch (each batch let through
         # on the token it had earned: 50 messages a second a proc, 12,800 for an agent of 256).
         self.resume_at = max(1.0, min(self.burst, self.rate))
-        self.exhausted = None   # while the tokens come back: the call that ran them out
+        self.exhausted = False
+        self.call = None   # the call that printed last
         self._lock = threading.Lock()
 
     def admit(self, lines: int, call=None) -> int:
         """How many of ``lines`` lines (the first ones of a message) may go to the controller;
         the rest are counted as kept back. A batch is cut where the tokens run out rather than
         let through whole: a batch of 300 lines let through on the last token put the limit 6 s
-        in debt, and the next cell's first line was kept back. ``call``: the call that prints
-        (a new one has its lines let through from the tokens there are)."""
+        in debt, and the next cell's first line was kept back. ``call``: the call that prints;
+        a new one's first ``FRESH_CALL_LINES`` lines go whatever a flood before it left."""
         if self.rate <= 0:
             return lines
         with self._lock:
             now = time.monotonic()
             self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
             self.stamp = now
-            if self.exhausted is not None and (self.tokens >= self.resume_at or call != self.exhausted[0]):
-                self.exhausted = None
-            n = 0 if self.exhausted is not None else min(lines, int(self.tokens))
+            fresh = call != self.call
+            self.call = call
+            if self.exhausted and (fresh or self.tokens >= self.resume_at):
+                self.exhausted = False
+            n = 0 if self.exhausted else min(lines, max(int(self.tokens), FRESH_CALL_LINES if fresh else 0))
             if n < lines:
-                self.exhausted = (call,)
+                self.exhausted = True
             self.tokens -= n
             self.skipped += lines - n
             return n
@@ -63,6 +67,24 @@ class OutputLimit:
         with self._lock:
             n, self.skipped = self.skipped, 0
             return n
+
+
+def shortened_lines(text: str, most: int) -> str:
+    """``text`` with each line cut to ``most`` characters, for the controller (the proc's log
+    keeps every character). A line of progress redrawn with carriage returns (tqdm) is first
+    cut to its last drawing, what a terminal would show. One rank printing a 100 MB line
+    would otherwise send it whole to the kernel, and 256 ranks would hold 25 GB there."""
+    out = []
+    for line in text.split("\n"):
+        if len(line) > most:
+            cr = line.rfind("\r", 0, len(line) - 1)
+            if cr >= 0:
+                line = line[cr + 1:]
+            if len(line) > most:
+                # (the same words on every rank: identical long lines still merge)
+                line = f"{line[:most]}... [{len(line) - most:,} more characters in the rank's log]"
+        out.append(line)
+    return "\n".join(out)
 
 
 def skipped_text(rank: int, n: int) -> str:

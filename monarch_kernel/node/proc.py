@@ -52,7 +52,7 @@ from monarch_kernel.debug import worker as debugger  # imported here so the zygo
 from monarch_kernel.node import fanlink, fanout
 from monarch_kernel.node.held_replies import HOLD_S, HeldReplies
 from monarch_kernel.node.output_batch import OutputBatch
-from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, skipped_text
+from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, shortened_lines, skipped_text
 from monarch_kernel.telemetry.worker import ProcTelemetry
 
 
@@ -72,6 +72,9 @@ class ActorSlot:
         """Code sync reloaded a module: work each method's entry out again on its next call
         (a method may have become async, or gained a response port)."""
         self.methods.clear()
+
+
+_NOW = object()   # emit_output: the call running now printed it
 
 
 def _nth_newline(text: str, n: int) -> int:
@@ -172,17 +175,21 @@ class ProcWorker:
         rt.on_agent_event("sink", self._on_sink)
         rt.on_agent_event("died", lambda link, key, failure: self._peer_died(key, failure), replace=True)
         rt.death_listeners.append(self._supervise_owned)
-        self.output_batch = OutputBatch(self.emit_output)   # both streams: one order
+        self.output_batch = OutputBatch(   # both streams: one order
+            self.emit_output, lambda: self.busy_call,
+            lambda call: self.link is not None and call is not None and fanout.fanned(self.gather, call[0]))
         self.stdout = ForwardingStream(self, "stdout", self.output_batch)
         self.stderr = ForwardingStream(self, "stderr", self.output_batch)
         self.telemetry = ProcTelemetry(self, cfg)   # log file, call and cell records
         self.output_limit = OutputLimit()   # past it, output goes to the log file only
+        self.line_chars = config.OUTPUT_LINE_CHARS.get()   # longer lines are cut (the log has them)
         # Replies held by the main thread while more calls wait in the work inbox (_hold_reply).
         self.held = HeldReplies(rt.send_plain, self.key, self.proc_key, lambda: self.running)
         self._held, self.send_held_replies = self.held.items, self.held.send
 
     # ---------------------------------------------------------------- output
-    def emit_output(self, stream: str, text: str) -> None:
+    def emit_output(self, stream: str, text: str, busy=_NOW) -> None:
+        """``busy``: the call that printed ``text`` (what runs now unless said)."""
         if self._held and threading.get_ident() == self.main_ident:
             self.send_held_replies()   # earlier calls' replies before this call's output
         if self.telemetry.log is not None:   # kept on the host too, attached or not
@@ -193,12 +200,15 @@ class ProcWorker:
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
         lines = text.count("\n") or 1
-        busy = self.busy_call
+        if busy is _NOW:
+            busy = self.busy_call
         n = self.output_limit.admit(lines, busy)
         if n < lines:   # the rest in the log file only; the count goes with the next line or reply
             if not n:
                 return
             text = text[:_nth_newline(text, n) + 1]
+        if len(text) > self.line_chars and self.line_chars:
+            text = shortened_lines(text, self.line_chars)
         self._send_skipped(sink, busy)
         self._send_output(sink, busy, ("out", self.rank, stream, text))
 
@@ -843,7 +853,13 @@ class ProcWorker:
         if self._held and threading.get_ident() == self.main_ident:
             self.send_held_replies()   # in the order the calls ran
         if self.stdout._buf or self.stderr._buf or self.output_limit.skipped:
-            self.flush_output()   # output goes before the reply it belongs to
+            # Output goes before the reply it belongs to, the same way (the call is over: the
+            # busy call is this one again while its output is flushed).
+            saved, self.busy_call = self.busy_call, (reply_to, call_id)
+            try:
+                self.flush_output()
+            finally:
+                self.busy_call = saved
         if (type(call_id) is int and call_id and type(value) in PLAIN_TYPES and type(reply_to) is str
                 and not reply_to.startswith(_FAN_PREFIX)):
             # The usual reply (a plain value to a direct call): pickled in one C call and signed in

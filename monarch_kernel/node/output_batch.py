@@ -54,19 +54,17 @@ class OutputBatch:
     def lines(self, stream) -> None:
         """``stream`` (under ``self.lock``) has whole lines in its buffer: send them now, or
         let them wait for the timer."""
-        if self.waiting is not None and self.waiting is not stream:
+        if self.waiting is stream:
+            return   # more of the lines that wait: the timer sends them all (a flood's way)
+        if self.waiting is not None:
             self._send(self.waiting)   # the other stream's lines were written first
         now = time.monotonic()
         call = self.current_call()
+        self.call = call
         if self.interval <= 0 or now - self.sent_at >= self.interval or not self.batchable(call):
-            if self.waiting is not None:
-                self._send(self.waiting)   # (with the call that printed them)
-            self.call = call
             self._send(stream)
             self.sent_at = now
             return
-        if self.waiting is None:
-            self.call = call
         self.waiting = stream
         if self._timer is None:
             self._timer = threading.Thread(target=self._run, name="monarch-output-batch", daemon=True)

@@ -129,6 +129,23 @@ def test_a_flood_of_output_is_rate_limited_and_spilled_to_the_logs(k):
     assert "[rank 5] flood 5 line 9999" in logs
 
 
+def test_a_flood_through_the_agent_counts_every_line(k):
+    """A cell on as many ranks as MONARCH_KERNEL_FANOUT_MIN goes through the host's agent, and
+    its lines travel in batches a timer thread sends: shown and not shown add up to every
+    line. (At 256 ranks on 2 cores a batch in flight when the call returned once went after
+    the reply, and 432,000 of 2,560,000 lines were in neither; that race is played out step
+    by step in tests/test_node_output_batch.py.)"""
+    k.ok("import os\nos.environ['MONARCH_KERNEL_FANOUT_MIN'] = '2'")
+    try:
+        for _ in range(3):
+            r = k.ok("%%on_mesh\nfor i in range(10_000):\n    print(f'fanned {rank} line {i}')", timeout=180)
+            shown = r.stdout.count("\n")
+            m = re.search(r"([\d,]+) lines from ranks 0-7 not shown here", r.stderr)
+            assert m and int(m.group(1).replace(",", "")) + shown == N * 10_000, (shown, r.stderr)
+    finally:
+        k.ok("del os.environ['MONARCH_KERNEL_FANOUT_MIN']")
+
+
 def test_repeated_floods_do_not_grow_the_kernels_memory(k):
     """Issue 9: the kernel kept ~0.5 GB after repeated floods. Each flood's held lines and
     messages are let go: the resident size after three more floods stays near where the

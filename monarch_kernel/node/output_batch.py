@@ -39,6 +39,7 @@ class OutputBatch:
         self.lock = threading.RLock()
         self.sent_at = 0.0
         self.waiting = None   # the stream whose whole lines wait for the timer
+        self.pending = False  # lines wait, or the timer is sending them: a reply must flush first
         self.call = None      # the call that printed them: their output goes its way (a
         # call fanned through the agent: up through the agent, before its reply), even when
         # the timer sends them after the call returned and before its reply went
@@ -50,6 +51,7 @@ class OutputBatch:
         """A child of user code's fork starts with a free lock and no timer thread."""
         self.lock, self._wake, self._timer = threading.RLock(), threading.Event(), None
         self.waiting = self.call = None
+        self.pending = False
 
     def lines(self, stream) -> None:
         """``stream`` (under ``self.lock``) has whole lines in its buffer: send them now, or
@@ -66,6 +68,7 @@ class OutputBatch:
             self.sent_at = now
             return
         self.waiting = stream
+        self.pending = True
         if self._timer is None:
             self._timer = threading.Thread(target=self._run, name="monarch-output-batch", daemon=True)
             self._timer.start()
@@ -80,8 +83,11 @@ class OutputBatch:
     def _send(self, stream) -> None:
         self.waiting = None
         text = stream.take_lines()
-        if text:
-            self.send(stream.name, text, self.call)
+        try:
+            if text:
+                self.send(stream.name, text, self.call)
+        finally:
+            self.pending = False   # (only once sent: a reply that saw it go first waits on the lock)
 
     def _run(self) -> None:
         while True:

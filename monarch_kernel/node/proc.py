@@ -237,9 +237,11 @@ class ProcWorker:
             self._send_output(sink, busy, ("out", self.rank, SKIPPED, skipped_text(self.rank, n)))
 
     def flush_output(self):
-        self.stdout.flush()
-        self.stderr.flush()
-        self._send_skipped(self.sink, self.busy_call)
+        with self.output_batch.lock:   # (after a batch the timer thread is sending)
+            self.output_batch.flush()
+            self.stdout.flush()
+            self.stderr.flush()
+            self._send_skipped(self.sink, self.busy_call)
 
     # ---------------------------------------------------------------- I/O-thread notices
     def _on_sink(self, link, addr, key):
@@ -694,7 +696,7 @@ class ProcWorker:
         if self.telemetry.enabled:
             self.telemetry.record_call(slot.name, name, args, _time() - took, took, ok, value)
         if ok and type(value) in PLAIN_TYPES and not (self.stdout._buf or self.stderr._buf
-                                                      or self.output_limit.skipped):
+                                                      or self.output_limit.skipped or self.output_batch.pending):
             link.send_reply(reply_to[_FAN_PREFIX_LEN:], call_id, True, _dumps(value, 5))
             return
         self._finish_call(aid, reply_to, call_id, ok, value, False, exc, ours)
@@ -844,7 +846,7 @@ class ProcWorker:
         Replies to the agent (fanned calls) and values that are not plain go as before."""
         held = self._held
         if held and reply_to != self.held.to or self.stdout._buf or self.stderr._buf or self.output_limit.skipped \
-                or reply_to.startswith(_FAN_PREFIX):
+                or self.output_batch.pending or reply_to.startswith(_FAN_PREFIX):
             self._reply(reply_to, call_id, ok, value)
             return
         self.held.add(reply_to, call_id, ok, value)
@@ -852,9 +854,10 @@ class ProcWorker:
     def _reply(self, reply_to, call_id, ok, value, rank=None):
         if self._held and threading.get_ident() == self.main_ident:
             self.send_held_replies()   # in the order the calls ran
-        if self.stdout._buf or self.stderr._buf or self.output_limit.skipped:
+        if self.stdout._buf or self.stderr._buf or self.output_limit.skipped or self.output_batch.pending:
             # Output goes before the reply it belongs to, the same way (the call is over: the
-            # busy call is this one again while its output is flushed).
+            # busy call is this one again while its output is flushed; a batch the timer is
+            # sending is waited for).
             saved, self.busy_call = self.busy_call, (reply_to, call_id)
             try:
                 self.flush_output()

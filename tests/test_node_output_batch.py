@@ -1,7 +1,8 @@
 """A proc's output batch (node/output_batch.py) with a stream and a sender of our own.
 
-The proc's streams and its reply path use it as here: ``write`` under the batch's lock,
-``pending`` looked at before a reply, ``flush`` (under the lock) before the reply goes.
+The proc's streams and its reply path use it as here: ``write`` under the batch's lock
+(it sets ``pending``), ``pending`` looked at before a reply, ``flush`` (under the lock)
+before the reply goes.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ class Stream:
 
     def __init__(self, batch: OutputBatch, name: str = "stdout"):
         self.batch, self.name, self._buf = batch, name, []
+        batch.streams.append(self)
 
     def write(self, s: str) -> None:
         with self.batch.lock:
             self._buf.append(s)
+            self.batch.pending = True
             if "\n" in s:
                 self.batch.lines(self)
 

@@ -39,7 +39,10 @@ class OutputBatch:
         self.lock = threading.RLock()
         self.sent_at = 0.0
         self.waiting = None   # the stream whose whole lines wait for the timer
-        self.pending = False  # lines wait, or the timer is sending them: a reply must flush first
+        # Output not sent yet: text in a stream's buffer (whole lines or not), or a batch the
+        # timer is sending. A reply flushes first when it is set: one look on a call's way out.
+        self.pending = False
+        self.streams: list = []   # both streams of the proc (they add themselves)
         self.call = None      # the call that printed them: their output goes its way (a
         # call fanned through the agent: up through the agent, before its reply), even when
         # the timer sends them after the call returned and before its reply went
@@ -68,7 +71,6 @@ class OutputBatch:
             self.sent_at = now
             return
         self.waiting = stream
-        self.pending = True
         if self._timer is None:
             self._timer = threading.Thread(target=self._run, name="monarch-output-batch", daemon=True)
             self._timer.start()
@@ -87,7 +89,11 @@ class OutputBatch:
             if text:
                 self.send(stream.name, text, self.call)
         finally:
-            self.pending = False   # (only once sent: a reply that saw it go first waits on the lock)
+            self.settle()   # (only once sent: a reply that saw it set waits on the lock)
+
+    def settle(self) -> None:
+        """After a send: is anything left unsent? (under the lock)"""
+        self.pending = self.waiting is not None or any(s._buf for s in self.streams)
 
     def _run(self) -> None:
         while True:

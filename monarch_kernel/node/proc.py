@@ -94,14 +94,17 @@ class ForwardingStream(TextSink):
     def __init__(self, worker: ProcWorker, name: str, batch: OutputBatch):
         self._worker, self.name, self._batch = worker, name, batch
         self._buf: list[str] = []
+        batch.streams.append(self)
 
     def write(self, s: str) -> int:
         if not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        with self._batch.lock:
+        batch = self._batch
+        with batch.lock:
             self._buf.append(s)
+            batch.pending = True
             if "\n" in s:
-                self._batch.lines(self)
+                batch.lines(self)
         return len(s)
 
     def take_lines(self) -> str:
@@ -118,8 +121,11 @@ class ForwardingStream(TextSink):
             self._batch.flush()
             text = "".join(self._buf)
             self._buf = []
-            if text:
-                self._worker.emit_output(self.name, text)
+            try:
+                if text:
+                    self._worker.emit_output(self.name, text)
+            finally:
+                self._batch.settle()
 
 
 class ProcWorker:
@@ -695,8 +701,7 @@ class ProcWorker:
         value, ok, exc, ours, took = self._invoke(slot, aid, name, entry[3], args, kwargs, (reply_to, call_id))
         if self.telemetry.enabled:
             self.telemetry.record_call(slot.name, name, args, _time() - took, took, ok, value)
-        if ok and type(value) in PLAIN_TYPES and not (self.stdout._buf or self.stderr._buf
-                                                      or self.output_limit.skipped or self.output_batch.pending):
+        if ok and type(value) in PLAIN_TYPES and not (self.output_batch.pending or self.output_limit.skipped):
             link.send_reply(reply_to[_FAN_PREFIX_LEN:], call_id, True, _dumps(value, 5))
             return
         self._finish_call(aid, reply_to, call_id, ok, value, False, exc, ours)
@@ -845,8 +850,8 @@ class ProcWorker:
         what is held first), so a pipeline's replies come back as before, a little grouped.
         Replies to the agent (fanned calls) and values that are not plain go as before."""
         held = self._held
-        if held and reply_to != self.held.to or self.stdout._buf or self.stderr._buf or self.output_limit.skipped \
-                or self.output_batch.pending or reply_to.startswith(_FAN_PREFIX):
+        if held and reply_to != self.held.to or self.output_batch.pending or self.output_limit.skipped \
+                or reply_to.startswith(_FAN_PREFIX):
             self._reply(reply_to, call_id, ok, value)
             return
         self.held.add(reply_to, call_id, ok, value)
@@ -854,7 +859,7 @@ class ProcWorker:
     def _reply(self, reply_to, call_id, ok, value, rank=None):
         if self._held and threading.get_ident() == self.main_ident:
             self.send_held_replies()   # in the order the calls ran
-        if self.stdout._buf or self.stderr._buf or self.output_limit.skipped or self.output_batch.pending:
+        if self.output_batch.pending or self.output_limit.skipped:
             # Output goes before the reply it belongs to, the same way (the call is over: the
             # busy call is this one again while its output is flushed; a batch the timer is
             # sending is waited for).

@@ -376,15 +376,32 @@ def test_meshes_and_endpoints_pickle(counters):
 
 
 # ---------------------------------------------------------------- output
-def test_worker_output_reaches_the_controller_by_rank_in_order(counters):
+def _output_of(fut_fn) -> list:
+    """(rank, stream, text) of each output message the controller got while ``fut_fn()``
+    ran (it makes a call and waits for it)."""
     rt = runtime()
     got: list = []
     orig = rt.output
     rt.output = lambda rank, stream, text: got.append((rank, stream, text))
     try:
-        assert counters.talk.call(30).get(30).values() == ["done", "done"]
+        fut_fn()
     finally:
         rt.output = orig
+    return got
+
+
+def _talk_both_lines(n: int) -> list:
+    """What ``talk_both(n)`` prints, line by line, in the order written."""
+    out = []
+    for i in range(n):
+        out.append(("stdout", f"out {i}"))
+        if i % 7 == 0:
+            out.append(("stderr", f"err {i}"))
+    return out
+
+
+def test_worker_output_reaches_the_controller_by_rank_in_order(counters):
+    got = _output_of(lambda: counters.talk.call(30).get(30))
     for r in (0, 1):
         out = "".join(t for rank, s, t in got if rank == r and s == "stdout")
         err = "".join(t for rank, s, t in got if rank == r and s == "stderr")
@@ -401,60 +418,30 @@ def test_lines_printed_fast_in_a_fanned_call_go_in_a_few_messages_in_the_order_w
     agent and the controller to carry, one at a time (here 150 for 150; now one each time
     stderr cuts in, every 7 lines); across stdout and stderr they keep their order."""
     monkeypatch.setenv("MONARCH_KERNEL_FANOUT_MIN", "2")   # (2 procs: through their agent)
-    rt = runtime()
-    got: list = []
-    orig = rt.output
-    rt.output = lambda rank, stream, text: got.append((rank, stream, text))
-    try:
-        assert counters.talk_both.call(150).get(30).values() == ["done", "done"]
-    finally:
-        rt.output = orig
+    got = _output_of(lambda: counters.talk_both.call(150).get(30))
     for r in (0, 1):
         mine = [(s, t) for rank, s, t in got if rank == r]
-        lines = [(s, line) for s, t in mine for line in t.splitlines()]
-        expected = []
-        for i in range(150):
-            expected.append(("stdout", f"out {i}"))
-            if i % 7 == 0:
-                expected.append(("stderr", f"err {i}"))
-        assert lines == expected
+        assert [(s, line) for s, t in mine for line in t.splitlines()] == _talk_both_lines(150)
         stdout_messages = [t for s, t in mine if s == "stdout"]
         assert len(stdout_messages) <= 40, f"{len(stdout_messages)} messages for 150 lines"
 
 
-def test_lines_of_a_direct_call_keep_their_order_with_a_thread_printing_too(counters):
+def test_lines_of_a_direct_call_go_at_once_in_the_order_written(counters):
     """A direct call's lines go one message a line from the writing thread's own socket, as
-    before batching; interleaved with stderr, they arrive in the order written."""
-    rt = runtime()
-    got: list = []
-    orig = rt.output
-    rt.output = lambda rank, stream, text: got.append((rank, stream, text))
-    try:
-        assert counters.talk_both.call(100).get(30).values() == ["done", "done"]
-    finally:
-        rt.output = orig
-    expected = []
-    for i in range(100):
-        expected.append(("stdout", f"out {i}"))
-        if i % 7 == 0:
-            expected.append(("stderr", f"err {i}"))
+    its reply does (no timer thread's socket to overtake them); interleaved with stderr,
+    they arrive in the order written."""
+    got = _output_of(lambda: counters.talk_both.call(100).get(30))
     for r in (0, 1):
-        lines = [(s, line) for rank, s, t in got if rank == r for line in t.splitlines()]
-        assert lines == expected
+        mine = [(s, t) for rank, s, t in got if rank == r]
+        assert [(s, line) for s, t in mine for line in t.splitlines()] == _talk_both_lines(100)
+        assert all(t.count("\n") == 1 for s, t in mine)
 
 
 def test_a_flood_of_output_is_limited_at_the_proc_and_the_rest_is_counted(counters):
     """Past its burst a proc stops sending lines (they stay in its log file) and says how
     many it kept back, so a flood cannot bury the controller's inbox (monarch_kernel/node/output_limit.py)."""
-    rt = runtime()
-    got: list = []
-    orig = rt.output
-    rt.output = lambda rank, stream, text: got.append((rank, stream, text))
     t0 = time.monotonic()
-    try:
-        assert counters.talk.call(3000).get(60).values() == ["done", "done"]
-    finally:
-        rt.output = orig
+    got = _output_of(lambda: counters.talk.call(3000).get(60))
     took = time.monotonic() - t0
     for r in (0, 1):
         sent = sum(t.count("\n") or 1 for rank, s, t in got if rank == r and s in ("stdout", "stderr"))

@@ -74,9 +74,6 @@ class ActorSlot:
         self.methods.clear()
 
 
-_NOW = object()   # emit_output: the call running now printed it
-
-
 def _nth_newline(text: str, n: int) -> int:
     """Where the ``n``-th line of ``text`` ends."""
     at = -1
@@ -123,7 +120,7 @@ class ForwardingStream(TextSink):
             self._buf = []
             try:
                 if text:
-                    self._worker.emit_output(self.name, text)
+                    self._worker.emit_output(self.name, text, self._worker.busy_call)
             finally:
                 self._batch.settle()
 
@@ -194,8 +191,8 @@ class ProcWorker:
         self._held, self.send_held_replies = self.held.items, self.held.send
 
     # ---------------------------------------------------------------- output
-    def emit_output(self, stream: str, text: str, busy=_NOW) -> None:
-        """``busy``: the call that printed ``text`` (what runs now unless said)."""
+    def emit_output(self, stream: str, text: str, busy) -> None:
+        """``busy``: the call that printed ``text`` (output goes its way)."""
         if self._held and threading.get_ident() == self.main_ident:
             self.send_held_replies()   # earlier calls' replies before this call's output
         if self.telemetry.log is not None:   # kept on the host too, attached or not
@@ -206,8 +203,6 @@ class ProcWorker:
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
         lines = text.count("\n") or 1
-        if busy is _NOW:
-            busy = self.busy_call
         n = self.output_limit.admit(lines, busy)
         if n < lines:   # the rest in the log file only; the count goes with the next line or reply
             if not n:
@@ -244,8 +239,7 @@ class ProcWorker:
 
     def flush_output(self):
         with self.output_batch.lock:   # (after a batch the timer thread is sending)
-            self.output_batch.flush()
-            self.stdout.flush()
+            self.stdout.flush()   # (each sends the other's waiting lines first)
             self.stderr.flush()
             self._send_skipped(self.sink, self.busy_call)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import threading
 import time
 import types
 
@@ -207,3 +209,40 @@ def test_a_record_too_short_for_what_it_announces_closes_that_link_and_the_other
     host.relay.flush_all()
     (batch,) = host.batches()
     assert [(it[0], it[1], it[3]) for it in batch[1]] == [("ra", 4, b"\x01\x00\x00\x01\x01\x01")]
+
+
+def test_procs_that_never_stop_writing_let_the_agents_loop_go_round(host):
+    """Output read from the fan links until none was ready: procs printing as fast as they
+    can kept the agent in one read for over a second (its controller's heartbeats and its
+    flush timers waited). A read now ends after POLL_SLICE_S with the links still readable,
+    and the next read goes on where it stopped, in order."""
+    host.fan(7)
+    for i in range(6):
+        host.got_call(i)
+    d = host.addr.encode()
+    head = b"o" + fanlink._pack_meta(7, True, len(d)) + d
+    records = [head + pickle.dumps(("out", f"line {n}\n")) for n in range(200_000)]
+    pid = os.fork()
+    if pid == 0:   # a proc printing as fast as it can (a process of its own: no shared GIL)
+        try:
+            peer = host.peers[0]
+            peer.setblocking(True)
+            for rec in records:
+                peer.send(rec)
+        finally:
+            os._exit(0)
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        host.read()
+        took = time.monotonic() - t0
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the read ended only when the proc stopped writing"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert took < 1.0, f"one read took {took:.2f} s"
+    while host.links.ep.poll(0):
+        host.read()
+    host.relay.flush_all()
+    lines = [it[1] for b in host.batches() for it in b[1] if it[0] == "out"]
+    assert len(lines) > 100 and lines == [f"line {i}\n" for i in range(len(lines))]   # in order, none lost

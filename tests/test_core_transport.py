@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -132,3 +133,39 @@ def test_messages_of_one_and_of_many_frames_read_back_whole_in_any_order():
         pull.close(0)
         push.close(0)
         ctx.term()
+
+
+def test_the_io_thread_reads_a_burst_that_never_ends_in_slices_so_its_heartbeats_go_out():
+    """The controller's I/O thread drained its inbox until it was empty: under 256 ranks
+    printing as fast as they can, one drain ran 5.3 s, no heartbeat went out, and every
+    agent detached the controller mid-cell. It now reads for DRAIN_SLICE_S and goes round
+    its loop (the heartbeat tick); what it left is read next time, in order."""
+    from monarch_kernel.core import inbox as inbox_mod
+
+    ctx = zmq.Context.instance()
+    pull, name = _inbox(ctx)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(name)
+    try:
+        n = 400
+        for i in range(n):
+            push.send(wire.dumps(("m", i))[0])
+        while not pull.poll(1000):
+            pass
+        time.sleep(0.2)   # all of them arrived
+        seen = []
+
+        def dispatch(msg):
+            seen.append(msg[1])
+            time.sleep(0.002)   # routing a batch of a flood's output
+
+        opener = lambda frames, where: wire.loads(frames[0])   # noqa: E731
+        inbox_mod.Inbox._drain(pull, opener, dispatch)
+        first = len(seen)
+        while len(seen) < n and pull.poll(1000):
+            inbox_mod.Inbox._drain(pull, opener, dispatch)
+        assert first < n / 2, f"one drain read {first} of {n} messages (~{first * 2} ms): no slice"
+        assert seen == list(range(n))   # the rest, read later, in order: nothing lost
+    finally:
+        push.close(0)
+        pull.close(0)

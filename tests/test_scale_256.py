@@ -106,15 +106,16 @@ def _spawn_and_run_a_cell_from_a_kernel(hosts) -> None:
         assert "255" in r.result + str(r.data()), r.result[:2000]
         # Every rank printing 10,000 lines as fast as it can (issue 11's flood): the cell ends
         # well, no host lost (a message a line once starved the agents into 30 s of silence),
-        # the notebook gets a bounded number of lines, and the cell says where the rest is.
-        # (On one host shown + not shown add up to every line; on these 8 the count fell
-        # short by 40-60 % in round 12's runs, not found yet: only its bound is checked here.)
+        # the notebook gets a bounded number of lines, and the cell says where the rest is:
+        # shown + not shown is every line. (It fell 40-60 % short here: the kernel, starved of
+        # CPU, sent no heartbeat for 3-6 s, every agent detached it mid-cell, and the lines
+        # printed then went to the hosts' stderr, neither shown nor counted.)
         t0 = time.monotonic()
         r = k.ok("%%on_mesh\nfor i in range(10_000):\n    print(f'flood {rank} line {i}')", timeout=240)
         shown = r.stdout.count("\n")
         m = re.search(r"([\d,]+) lines from ranks 0-255 not shown here", r.stderr)
         assert m, r.stderr[-2000:]
-        assert 0 < shown <= 12_000 and int(m.group(1).replace(",", "")) + shown <= N * 10_000, shown
+        assert 0 < shown <= 12_000 and int(m.group(1).replace(",", "")) + shown == N * 10_000, (shown, m.group(1))
         print(f"256 ranks x 10,000 printed lines: {time.monotonic() - t0:.1f} s, {shown} shown, "
               f"{m.group(1)} counted as not shown")
         assert "1" in k.ok("%%on_mesh --ranks 0\n1", timeout=60).result   # (and the next cell runs)

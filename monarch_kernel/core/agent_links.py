@@ -319,7 +319,7 @@ class AgentLinks:
         fut = Future("hello")
         req = next(self._ids)
         link.requests[req] = fut
-        if not link.post(rt.pack_to(link.addr, link.key, Req.make(req, "hello", (rt.contact,)))):
+        if not link.post(rt.pack_to(link.addr, link.key, Req.make(req, "hello", (rt.contact, rt.whoami())))):
             link.requests.pop(req, None)
             fut.set_exception(HostUnreachableError(_full(link, "hello")))
 

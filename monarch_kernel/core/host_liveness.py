@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from .. import config
@@ -40,6 +41,19 @@ log = logging.getLogger("monarch_kernel")
 BUSY_FRACTION = 0.5   # of wall time spent running or runnable: the agent wants the CPU
 PROC = "/proc"   # tests point it at a tree of their own
 _STOPPED = ("", "T", "t", "Z", "X")   # stopped (a signal, a debugger), a zombie, gone
+IO_THREAD_NAME = "monarch-io"   # a controller's I/O thread (core/inbox.py): its heartbeats
+_ANSWERING = ("ZMQbg/IO", IO_THREAD_NAME)   # threads that answer or send heartbeats, besides the main one
+
+
+def name_this_thread(name: str) -> None:
+    """Give the calling thread ``name`` where the OS shows it (``/proc/.../comm``, 15
+    bytes): Python names threads for itself only, and a watcher of this process reads
+    the OS's names."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def starved_host_timeout_s() -> float:
@@ -91,8 +105,8 @@ def wants_to_progress(pid: int, threads: list, fraction: float) -> str:
     if main is None or main[2] in _STOPPED:
         return ""
     for tid, name, state, _ in threads:
-        if (tid == pid or name.startswith("ZMQbg/IO")) and state in ("R", "D"):
-            what = "the main loop" if tid == pid else "zmq's I/O thread"
+        if (tid == pid or name.startswith(_ANSWERING)) and state in ("R", "D"):
+            what = "the main loop" if tid == pid else f"its {name} thread"
             return f"{what} is {'runnable (waiting for a CPU)' if state == 'R' else 'in the kernel (D)'}"
     wchan = _read(f"{PROC}/{pid}/task/{pid}/wchan") if main[2] == "S" else ""
     if "futex" in wchan and any(t[2] in ("R", "D") for t in threads if t[0] != pid):
@@ -107,10 +121,11 @@ def wants_to_progress(pid: int, threads: list, fraction: float) -> str:
 class LocalAgentWatch:
     """The scheduler's view of one same-machine agent, looked at while it is silent."""
 
-    __slots__ = ("pid", "_t", "_ns", "busy", "why", "_said")
+    __slots__ = ("pid", "what", "_t", "_ns", "busy", "why", "_said")
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, what: str = "host agent"):
         self.pid = pid
+        self.what = what   # what it is, for the log (an agent watches its controller too)
         self._t = 0.0
         self._ns: int | None = None
         self.busy = False
@@ -123,8 +138,8 @@ class LocalAgentWatch:
         load = self.silence_tolerated(silent_s)
         if load and not self._said and silent_s > 1.0:
             self._said = True
-            log.info("host agent pid %d silent for %.1f s but working or starved (%s): "
-                     "tolerated up to %.0f s", self.pid, silent_s, self.why, starved_host_timeout_s())
+            log.info("%s pid %d silent for %.1f s but working or starved (%s): "
+                     "tolerated up to %.0f s", self.what, self.pid, silent_s, self.why, starved_host_timeout_s())
         elif not load:
             self._said = False
         return load

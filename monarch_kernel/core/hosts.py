@@ -54,7 +54,7 @@ class HostMesh:
         from .controllers import install as install_controllers
 
         install_controllers(rt)
-        futs = [rt.agent_request(a["addr"], key, "hello", rt.contact) for a in agents]
+        futs = [rt.agent_request(a["addr"], key, "hello", rt.contact, rt.whoami()) for a in agents]
         self._infos = []
         for a, f in zip(agents, futs):
             try:

@@ -37,6 +37,7 @@ import zmq
 
 from . import curve, wire
 from .future import Future
+from .host_liveness import IO_THREAD_NAME, name_this_thread
 from .release_timer import open_timer
 from .transport import ipc_name
 
@@ -44,6 +45,7 @@ log = logging.getLogger("monarch_kernel")
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: the enums cost on the hot path
 _NOBLOCK = int(zmq.NOBLOCK)
+DRAIN_SLICE_S = 0.05   # the I/O thread reads a burst this long before its heartbeat tick
 _get_ident = threading.get_ident
 _SHORT_POLL_MS = 10   # the I/O thread's poll while a user thread reads the inbox (or just did): _poll_ms
 LONG_HOLD_S = 0.002   # ... unless its last two waits took this long: a loop of such calls (_poll_ms)
@@ -138,6 +140,7 @@ class Inbox:
 
     # ----------------------------------------------------------------- the I/O thread
     def _io_loop(self):
+        name_this_thread(IO_THREAD_NAME)   # what an agent watching us sees (host_liveness.py)
         try:
             self._serve()
         finally:
@@ -218,8 +221,16 @@ class Inbox:
         first message, whether more waits is asked with EVENTS: a wake often brings one
         message (a fan-in batch), and the recv that fails to end a burst raises zmq.Again
         (3x EVENTS' cost quiet; ~50 µs on a loaded 2-core VM). A burst (pipelined replies)
-        is then read until that failed recv, one per burst rather than EVENTS per message."""
+        is then read until that failed recv, one per burst rather than EVENTS per message.
+
+        A burst that does not end (256 ranks printing as fast as they can: fan-in batches of
+        output, ~10 ms each to route) is read for DRAIN_SLICE_S at most, then the loop goes
+        round: heartbeats are due. Unbounded, one drain ran 5.3 s, the agents heard no
+        heartbeat for 3 s and detached from the controller mid-cell, and their procs' lines
+        went to the host's stderr instead of the notebook."""
         recv = wire.recv_message
+        clock = time.monotonic
+        until = clock() + DRAIN_SLICE_S
         for i in range(10_000):
             try:
                 frames = recv(inbox, _NOBLOCK)
@@ -229,6 +240,8 @@ class Inbox:
             if msg is not None and type(msg) is tuple:
                 dispatch(msg)
             if not i and not inbox.getsockopt(_EVENTS) & _POLLIN:
+                return
+            if not i & 7 and clock() > until:
                 return
 
     def _wanted_recently(self) -> bool:

@@ -200,6 +200,12 @@ class Runtime:
         return self.calls.unhandled()
 
     # ----------------------------------------------------------------- agents (any thread)
+    @staticmethod
+    def whoami() -> tuple[str, int]:
+        """(pid space, pid): an agent in the same pid space can ask the OS whether this
+        controller, when silent, is starved of CPU or gone (node/agent.py _controller_starved)."""
+        return pid_space(), os.getpid()
+
     def agent_request(self, addr: str, key: bytes, op: str, *args, timeout_what: str = "") -> Future:
         """Send ``op`` to the agent at ``addr``; the Future gets its reply."""
         fut = Future(timeout_what or f"agent {op}")

@@ -45,6 +45,7 @@ import zmq
 from monarch_kernel import config
 from monarch_kernel.core import curve, wire
 from monarch_kernel.core.errors import MeshFailure
+from monarch_kernel.core.host_liveness import LocalAgentWatch
 from monarch_kernel.core.messages import Ev, Rep, Req
 from monarch_kernel.core.runtime import HOST_TIMEOUT_S, ProcRef, pid_alive, pid_space
 from monarch_kernel.core.transport import SAME_HOST_IPC, ipc_name, remove_ipc_files
@@ -124,6 +125,7 @@ class HostAgent:
         self.controller_addr: str | None = None
         self.controller_seen = time.monotonic()
         self.had_controller = False
+        self.controller_watch: LocalAgentWatch | None = None   # a controller on this machine (op_hello)
         self.started = time.monotonic()
         self.counter = 0
         self.stopping = False
@@ -275,7 +277,8 @@ class HostAgent:
             log.warning("the controller process %d that started this agent is gone: stopping",
                         self.parent_pid)
             self.stopping = True
-        if self.controller is not None and now - self.controller_seen > HOST_TIMEOUT_S:
+        silent = now - self.controller_seen
+        if self.controller is not None and silent > HOST_TIMEOUT_S and not self._controller_starved(now, silent):
             log.warning("controller %s silent for %.1f s: detached", self.controller_addr,
                         now - self.controller_seen)
             self._detach()
@@ -286,6 +289,14 @@ class HostAgent:
             if self.lease is not None and now - idle_since > self.lease:
                 log.warning("no controller for %.0f s: the lease is over, stopping", now - idle_since)
                 self.stopping = True
+
+    def _controller_starved(self, now: float, silent: float) -> bool:
+        """A controller on this machine that wants the CPU is starved, not gone: the look it
+        takes at a silent agent (core/host_liveness.py), up to STARVED_HOST_TIMEOUT_S. 256
+        procs flooding output on 2 cores kept a kernel's I/O thread from the CPU (and the
+        GIL) for 6 s; detached, the procs' lines went to this agent's stderr mid-cell."""
+        w = self.controller_watch
+        return w is not None and w.silence_is_load(now, silent)
 
     def _detach(self):
         self.controller = None
@@ -403,11 +414,14 @@ class HostAgent:
             self.reply(ident, req, ok, value)
 
     # ---------------------------------------------------------------- ops (controller)
-    def op_hello(self, ident, req, controller_addr, persistent_hint=None):
+    def op_hello(self, ident, req, controller_addr, whoami=None):
+        """``whoami``: the controller's (pid space, pid) (Runtime.whoami)."""
         if self.controller not in (None, ident):
             log.warning("controller %s replaced by %s", self.controller_addr, controller_addr)
             self.send(self.controller, Ev.make("superseded") + (controller_addr,))
         self._attach(ident, controller_addr)
+        local = type(whoami) in (tuple, list) and len(whoami) == 2 and whoami[0] == pid_space()
+        self.controller_watch = LocalAgentWatch(int(whoami[1]), "controller") if local else None
         self.reply(ident, req, True, self.describe())
 
     def _attach(self, ident, controller_addr):

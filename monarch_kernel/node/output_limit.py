@@ -61,6 +61,11 @@ class OutputLimit:
             self.skipped += lines - n
             return n
 
+    def keep_back(self, lines: int) -> None:
+        """Count ``lines`` as kept back whatever the tokens (no controller to send them to)."""
+        with self._lock:
+            self.skipped += lines
+
     def take_skipped(self) -> int:
         if not self.skipped:   # the usual case, before every reply: no lock
             return 0

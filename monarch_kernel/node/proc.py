@@ -74,6 +74,11 @@ class ActorSlot:
         self.methods.clear()
 
 
+def _contact_addr(contact) -> str:
+    """A controller's address, from its contact (a list) or the address itself."""
+    return contact[0] if isinstance(contact, (list, tuple)) else contact
+
+
 def _nth_newline(text: str, n: int) -> int:
     """Where the ``n``-th line of ``text`` ends."""
     at = -1
@@ -140,6 +145,8 @@ class ProcWorker:
         self.link_path = cfg.get("fan_link")   # where its agent takes fan links (fanlink.py)
         self.link: fanlink.ProcLink | None = None   # fanned calls, their replies and output
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
+        self.sink_addr = _contact_addr(cfg["sink"]) if cfg.get("sink") else None
+        self.away_from = None   # the controller our agent detached (silent), until it is back
         self.actors: dict[str, ActorSlot] = {}
         self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
         # Calls that overtook their actor's spawn (another way here: a spawn through the agent,
@@ -199,6 +206,10 @@ class ProcWorker:
             self.telemetry.log.write(stream, text)
         sink = self.sink
         if sink is None or not self.stream_to_client:
+            if sink is None and self.away_from is not None and self.stream_to_client:
+                # Our agent detached the controller after a silence (a stall either side): the
+                # line is in the log; its count goes with the first line or reply once it is back.
+                self.output_limit.keep_back(text.count("\n") or 1)
             (sys.__stderr__ if stream == "stderr" else sys.__stdout__).write(
                 "".join(f"[rank {self.rank}] {line}\n" for line in text.rstrip("\n").split("\n")))
             return
@@ -245,7 +256,19 @@ class ProcWorker:
 
     # ---------------------------------------------------------------- I/O-thread notices
     def _on_sink(self, link, addr, key):
-        self.sink = (self.rt.learn_contact(addr), key) if addr else None
+        """The agent attached a controller (``addr``, its contact) or detached it (None).
+        Lines written while detached are counted for the same controller when it comes back
+        (the cell it is waiting on says how many it did not get); another one is not told."""
+        if addr:
+            if self.away_from is not None and _contact_addr(addr) != self.away_from:
+                self.output_limit.take_skipped()
+            self.away_from = None
+            self.sink = (self.rt.learn_contact(addr), key)
+            self.sink_addr = _contact_addr(addr)
+        else:
+            if self.sink is not None:
+                self.away_from = self.sink_addr
+            self.sink = None
 
     def _on_interrupt(self, msg):
         """Interrupt what runs now: KeyboardInterrupt in sync code on the main thread, and

@@ -13,7 +13,6 @@ import os
 import pickle
 import signal
 import socket
-import threading
 import time
 import types
 

@@ -22,6 +22,11 @@ its threads (``/proc/PID/task/*/stat``, ``schedstat`` and the main thread's ``wc
   * otherwise (asleep in its poll: idle, cut off from the network; or deadlocked): silence
     counts.
 
+An agent looks at its controller the same way when the controller is on its machine
+(node/agent.py ``_controller_starved``): a kernel beside 256 printing procs on 2 cores was
+silent for 3-6 s, and detaching it sent the procs' lines to the host's stderr mid-cell. The
+controller's I/O thread names itself ``monarch-io`` for this (``name_this_thread``).
+
 The state letter comes first because the counters lag: the kernel adds a thread's wait in
 the run queue to ``schedstat`` only when the thread gets a CPU. An agent that sat runnable
 for 2-3 s on a loaded machine showed no progress at all in the looks between, was judged
@@ -119,7 +124,8 @@ def wants_to_progress(pid: int, threads: list, fraction: float) -> str:
 
 
 class LocalAgentWatch:
-    """The scheduler's view of one same-machine agent, looked at while it is silent."""
+    """The scheduler's view of one same-machine agent (or, from an agent, its controller),
+    looked at while it is silent."""
 
     __slots__ = ("pid", "what", "_t", "_ns", "busy", "why", "_said")
 

@@ -279,8 +279,7 @@ class HostAgent:
             self.stopping = True
         silent = now - self.controller_seen
         if self.controller is not None and silent > HOST_TIMEOUT_S and not self._controller_starved(now, silent):
-            log.warning("controller %s silent for %.1f s: detached", self.controller_addr,
-                        now - self.controller_seen)
+            log.warning("controller %s silent for %.1f s: detached", self.controller_addr, silent)
             self._detach()
         if self.controller is None:
             # A silent controller may only be busy (holding its GIL): it gets the lease to come

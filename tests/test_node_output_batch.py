@@ -26,6 +26,9 @@ class Stream:
             if "\n" in s:
                 self.batch.lines(self)
 
+    def holds_text(self) -> bool:
+        return bool(self._buf)
+
     def take_lines(self) -> str:
         text = "".join(self._buf)
         cut = text.rfind("\n") + 1

@@ -93,7 +93,7 @@ class OutputBatch:
 
     def settle(self) -> None:
         """After a send: is anything left unsent? (under the lock)"""
-        self.pending = self.waiting is not None or any(s._buf for s in self.streams)
+        self.pending = self.waiting is not None or any(s.holds_text() for s in self.streams)
 
     def _run(self) -> None:
         while True:

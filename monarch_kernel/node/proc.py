@@ -74,11 +74,6 @@ class ActorSlot:
         self.methods.clear()
 
 
-def _contact_addr(contact) -> str:
-    """A controller's address, from its contact (a list) or the address itself."""
-    return contact[0] if isinstance(contact, (list, tuple)) else contact
-
-
 def _nth_newline(text: str, n: int) -> int:
     """Where the ``n``-th line of ``text`` ends."""
     at = -1
@@ -108,6 +103,9 @@ class ForwardingStream(TextSink):
             if "\n" in s:
                 batch.lines(self)
         return len(s)
+
+    def holds_text(self) -> bool:
+        return bool(self._buf)
 
     def take_lines(self) -> str:
         """The whole lines written so far, taken from the buffer (under the batch's lock)."""
@@ -145,7 +143,6 @@ class ProcWorker:
         self.link_path = cfg.get("fan_link")   # where its agent takes fan links (fanlink.py)
         self.link: fanlink.ProcLink | None = None   # fanned calls, their replies and output
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
-        self.sink_addr = _contact_addr(cfg["sink"]) if cfg.get("sink") else None
         self.away_from = None   # the controller our agent detached (silent), until it is back
         self.actors: dict[str, ActorSlot] = {}
         self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
@@ -260,14 +257,14 @@ class ProcWorker:
         Lines written while detached are counted for the same controller when it comes back
         (the cell it is waiting on says how many it did not get); another one is not told."""
         if addr:
-            if self.away_from is not None and _contact_addr(addr) != self.away_from:
+            sink = (self.rt.learn_contact(addr), key)   # (its tcp address first)
+            if self.away_from is not None and sink[0] != self.away_from:
                 self.output_limit.take_skipped()
             self.away_from = None
-            self.sink = (self.rt.learn_contact(addr), key)
-            self.sink_addr = _contact_addr(addr)
+            self.sink = sink
         else:
             if self.sink is not None:
-                self.away_from = self.sink_addr
+                self.away_from = self.sink[0]
             self.sink = None
 
     def _on_interrupt(self, msg):

@@ -72,11 +72,28 @@ def test_show_ranks_and_quiet_ranks_filter_output_and_say_where_the_rest_is(k):
     r = k.ok("%%on_mesh --show-ranks 0\nprint('filtered', rank)")
     assert r.stdout == "[rank 0] filtered 0\n"
     assert f"output of ranks 1-{N - 1} not shown (--show-ranks 0)" in r.stderr
-    assert "%mesh logs --ranks 1" in r.stderr
+    assert "`%mesh logs 1` shows it" in r.stderr
     r = k.ok(f"%%on_mesh --quiet-ranks 1:{N}\nprint('quiet', rank)")
     assert r.stdout == "[rank 0] quiet 0\n"
-    logs = k.ok("%mesh logs --ranks 3 --grep quiet").stdout
-    assert "[rank 3] quiet 3" in logs
+    logs = k.ok("%mesh logs 3 --grep quiet").stdout   # %mesh logs RANK, as the hint says
+    assert logs == "[rank 3] quiet 3\n", logs
+
+
+def test_ranks_are_given_back_in_the_form_the_output_prints_them(k):
+    """The notebook prints rank sets as first-last runs (`[ranks 1-4,6-7]`, "output of ranks
+    1-3 not shown"): the same text works in every option that takes ranks."""
+    r = k.ok("%%on_mesh --show-ranks 1-2,5\nprint('pasted', rank)")
+    assert r.stdout == "[rank 1] pasted 1\n[rank 2] pasted 2\n[rank 5] pasted 5\n", r.stdout
+    assert f"output of ranks 0,3-4,6-{N - 1} not shown (--show-ranks 1-2,5)" in r.stderr, r.stderr
+    assert k.ok("%%on_mesh --ranks 2-3\nrank").result.splitlines()[1:] == ["  rank 2: 2", "  rank 3: 3"]
+    logs = k.ok("%mesh logs 4-5 --grep pasted").stdout   # 5 printed in the cell above, 4 was hidden
+    assert sorted(logs.splitlines()) == ["[rank 4] pasted 4", "[rank 5] pasted 5"], logs   # in time order
+    r = k.run(f"%%on_mesh --ranks 2-{N}\nrank")
+    text = r.stderr + r.error.get("evalue", "")
+    assert r.status == "error" and f"ranks 2-{N} end outside the mesh: valid ranks are 0..{N - 1}" in text, text
+    r = k.run("%mesh logs 3-1")
+    text = r.stderr + r.error.get("evalue", "")
+    assert r.status == "error" and "'3-1' runs backwards; write 1-3" in text, text
 
 
 def test_bad_output_flags_name_the_problem(k):
@@ -123,9 +140,9 @@ def test_a_flood_of_output_is_rate_limited_and_spilled_to_the_logs(k):
     assert len(streams) <= 600
     m = re.search(r"([\d,]+) lines from ranks 0-7 not shown here", r.stderr)
     assert m and int(m.group(1).replace(",", "")) + shown >= N * 10_000 - 10, r.stderr
-    assert "%mesh logs --ranks 0" in r.stderr
+    assert "%mesh logs 0" in r.stderr
     assert (after - before) / 1024 < 200, (before, after)   # ru_maxrss is in KiB
-    logs = k.ok("%mesh logs --ranks 5 --grep 'line 9999$'").stdout
+    logs = k.ok("%mesh logs 5 --grep 'line 9999$'").stdout
     assert "[rank 5] flood 5 line 9999" in logs
 
 

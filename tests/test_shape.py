@@ -120,6 +120,8 @@ def test_view_checks_its_member_count_and_pickles():
 @pytest.mark.parametrize("spec, ranks", [
     ("3", (3,)), ("1,4,6", (1, 4, 6)), ("0:8:2", (0, 2, 4, 6)), ("ranks(5:)", (5, 6, 7)),
     ("-1", (7,)), ("6,1,1", (1, 6)),
+    # first-last, both included: the form the notebook prints ranks in ("[ranks 0-2,5]")
+    ("0-2,5", (0, 1, 2, 5)), ("3-3", (3,)), ("ranks(6-7)", (6, 7)), (" 1 - 2 ", (1, 2)),
 ])
 def test_plain_rank_specs_address_the_flattened_mesh(spec, ranks):
     v = parse_rank_spec(spec, view24())
@@ -131,12 +133,16 @@ def test_named_rank_specs_slice_by_dim():
     assert (v.labels, v.ranks) == (("hosts", "gpus"), (1, 2, 5, 6))
     v = parse_rank_spec("ranks(hosts=1,gpus=0)", view24())
     assert (v.labels, v.ranks) == ((), (4,))
+    v = parse_rank_spec("hosts=1,gpus=2-3", view24())
+    assert (v.labels, v.ranks) == (("gpus",), (6, 7))
 
 
 @pytest.mark.parametrize("spec, msg", [
     ("", "empty rank spec"), ("8", r"rank 8 is outside the mesh: valid ranks are 0..7"),
     ("abc", "malformed rank spec"), ("gpus=1,3", "mix of named"), ("9:12", "selects nothing"),
     ("nodes=1", "unknown dimension 'nodes'"),
+    ("0-8", r"ranks 0-8 end outside the mesh: valid ranks are 0..7"), ("5-2", "runs backwards; write 2-5"),
+    ("gpus=2-4", r"gpus=2-4 ends out of range: gpus has size 4"), ("1-", "malformed rank spec"),
 ])
 def test_bad_rank_specs_say_what_is_wrong(spec, msg):
     with pytest.raises(ValueError, match=msg):

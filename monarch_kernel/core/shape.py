@@ -198,6 +198,7 @@ def _fmt_slice(s: slice) -> str:
 
 
 _RANGE = re.compile(r"^\s*(-?\d*)\s*:\s*(-?\d*)\s*(?::\s*(-?\d*)\s*)?$")
+_SPAN = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")   # first-last, both in: what our output prints
 
 
 def _parse_index(text: str, what: str):
@@ -208,12 +209,21 @@ def _parse_index(text: str, what: str):
         return slice(a, b, c)
     if re.fullmatch(r"-?\d+", text):
         return int(text)
-    raise ValueError(f"malformed rank spec {what!r}: {text!r} is neither an index nor start:stop[:step]")
+    m = _SPAN.match(text)
+    if m:
+        first, last = int(m.group(1)), int(m.group(2))
+        if last < first:
+            raise ValueError(f"malformed rank spec {what!r}: {text!r} runs backwards; write {last}-{first}")
+        return range(first, last + 1)   # a range, not a slice: its end is checked, not cut
+    raise ValueError(f"malformed rank spec {what!r}: {text!r} is neither an index, first-last (both "
+                     "included, as the output prints ranks) nor start:stop[:step]")
 
 
 def parse_rank_spec(spec: str, view: MeshView) -> MeshView:
     """Monarch's rank grammar over a view: ``3``, ``1,4,6``, ``0:8:2``, ``gpus=1:3``,
-    ``hosts=0,gpus=1:3``; optionally wrapped as ``ranks(...)``.
+    ``hosts=0,gpus=1:3``; optionally wrapped as ``ranks(...)``. Also ``first-last`` (both
+    included: ``0-3,8``), the form the notebook prints ranks in (``[ranks 0-3,8]``), so a
+    user can paste what they read.
 
     Plain indices and ranges address the flattened mesh and yield a one-dim view named
     ``ranks``; ``dim=...`` terms slice by name and keep the other dims.
@@ -223,14 +233,19 @@ def parse_rank_spec(spec: str, view: MeshView) -> MeshView:
     if m:
         text = m.group(1)
     if not text:
-        raise ValueError("empty rank spec: give an index (3), a list (1,4,6), a range (0:8:2) or dim=range")
+        raise ValueError("empty rank spec: give an index (3), a list (1,4,6), a range (0:8:2 or 0-7) or "
+                         "dim=range")
     if "=" in text:
         selection = {}
         for term in text.split(","):
             if "=" not in term:
                 raise ValueError(f"malformed rank spec {spec!r}: mix of named ({text}) and plain terms")
             k, v = term.split("=", 1)
-            selection[k.strip()] = _parse_index(v, spec)
+            sel = selection[k.strip()] = _parse_index(v, spec)
+            size = dict(zip(view.labels, view.sizes)).get(k.strip())
+            if isinstance(sel, range) and size is not None and sel[-1] >= size:
+                raise ValueError(f"{term.strip()} ends out of range: {k.strip()} has size {size} "
+                                 f"(valid indices 0..{size - 1})")
         return view.slice(**selection)
     flat = view.flatten("ranks")
     n = len(flat)
@@ -241,8 +256,10 @@ def parse_rank_spec(spec: str, view: MeshView) -> MeshView:
             if not -n <= sel < n:
                 raise ValueError(f"rank {sel} is outside the mesh: valid ranks are 0..{n - 1}")
             chosen.append(sel % n)
+        elif isinstance(sel, range) and sel[-1] >= n:
+            raise ValueError(f"ranks {term.strip()} end outside the mesh: valid ranks are 0..{n - 1}")
         else:
-            idx = list(range(n))[sel]
+            idx = list(sel) if isinstance(sel, range) else list(range(n))[sel]
             if not idx:
                 raise ValueError(f"rank range {term.strip()!r} selects nothing: valid ranks are 0..{n - 1}")
             chosen.extend(idx)

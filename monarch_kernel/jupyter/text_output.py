@@ -20,7 +20,7 @@ past that are only counted, per rank. Front-end: what is written is a token buck
 ``OUTPUT_RATE`` lines a second with bursts of ``OUTPUT_BURST``, and at most ``OUTPUT_LINES`` lines a cell
 (a merged line counts once). Lines not written are counted per rank and the cell says
 where they are: every line a proc prints is also in its log on its host
-(telemetry/logs.py), which ``%mesh logs --ranks R`` reads. A proc also limits what it
+(telemetry/logs.py), which ``%mesh logs R`` reads. A proc also limits what it
 sends (monarch_kernel/node/output_limit.py) and reports the lines it kept back; they are counted here.
 """
 from __future__ import annotations
@@ -176,7 +176,7 @@ class TextLimits:
         self.warned = True
         return (f"[monarch_kernel] more output than the notebook can show (over {self.budget.rate:g} lines/s or "
                 f"{self.budget.max_lines} lines a cell): some lines are kept only in the ranks' logs "
-                "(`%mesh logs --ranks R`); a count follows when the cell ends\n")
+                "(`%mesh logs R`); a count follows when the cell ends\n")
 
     def closing_notes(self) -> str:
         notes = []
@@ -186,9 +186,9 @@ class TextLimits:
             b = self.budget
             notes.append(f"[monarch_kernel] {n:,} lines from {rank_ranges(ranks)} not shown here (output "
                          f"limits: {b.rate:g} lines/s and {b.max_lines} a cell in the notebook, and each proc's "
-                         f"own); every line is in its rank's log: `%mesh logs --ranks {ranks[0]} --tail 100`\n")
+                         f"own); every line is in its rank's log: `%mesh logs {ranks[0]} --tail 100`\n")
         if self.hidden:
             ranks = sorted(self.hidden)
             notes.append(f"[monarch_kernel] output of {rank_ranges(ranks)} not shown ({self.options.specs}); "
-                         f"`%mesh logs --ranks {ranks[0]}` shows it\n")
+                         f"`%mesh logs {ranks[0]}` shows it\n")
         return "".join(notes)

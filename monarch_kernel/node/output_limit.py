@@ -94,4 +94,4 @@ def shortened_lines(text: str, most: int) -> str:
 
 def skipped_text(rank: int, n: int) -> str:
     """What a controller without a notebook prints for it (the number comes first)."""
-    return f"{n} lines kept only in rank {rank}'s log (output rate limit): %mesh logs --ranks {rank}\n"
+    return f"{n} lines kept only in rank {rank}'s log (output rate limit): %mesh logs {rank}\n"

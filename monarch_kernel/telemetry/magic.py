@@ -1,6 +1,6 @@
 """``%mesh logs`` and ``%mesh top``: the notebook's view of the hosts' telemetry.
 
-    %mesh logs [--ranks SPEC] [--grep RE] [--tail N] [--follow]
+    %mesh logs [RANKS] [--grep RE] [--tail N] [--follow]      (RANKS: 3 | 0-3,8 | 0:8:2 ...)
     %mesh top [--interval S]
 """
 from __future__ import annotations
@@ -18,8 +18,10 @@ FOLLOW_POLL_S = 1.0
 
 LOGS = mesh_parser("logs", "output of the ranks kept on their hosts (also from cells run while no notebook "
                            "was attached)",
-                   usage="%mesh logs [--ranks SPEC] [--grep RE] [--tail N] [--follow] [--time]")
-LOGS.add_argument("--ranks", metavar="SPEC", help="Monarch rank grammar: 3 | 1,4,6 | 0:8:2 | gpus=1:3")
+                   usage="%mesh logs [RANKS] [--grep RE] [--tail N] [--follow] [--time]")
+LOGS.add_argument("spec", nargs="?", metavar="RANKS", help="whose lines: 3 | 0-3,8 | 1,4,6 | 0:8:2 | gpus=1:3 "
+                                                          "(default: every rank)")
+LOGS.add_argument("--ranks", metavar="SPEC", help="the same as RANKS")
 LOGS.add_argument("--grep", metavar="RE", help="only lines matching this Python regular expression")
 LOGS.add_argument("--tail", type=int, metavar="N", help=f"the last N lines (default {DEFAULT_TAIL})")
 LOGS.add_argument("--follow", action="store_true", help="keep printing new lines until interrupted")
@@ -37,7 +39,10 @@ def logs(ctx, args):
     procs, _ = ctx.require()
     if args.tail is not None and args.tail < 0:
         raise ValueError(f"--tail must be 0 or more, got {args.tail}")
-    ranks = set(parse_rank_spec(args.ranks, view_of(procs)).ranks) if args.ranks else None
+    if args.spec and args.ranks and args.spec != args.ranks:
+        raise ValueError(f"%mesh logs: ranks given twice ({args.spec!r} and --ranks {args.ranks!r}): give one")
+    spec = args.spec or args.ranks
+    ranks = set(parse_rank_spec(spec, view_of(procs)).ranks) if spec else None
     tel = procs.telemetry
     tail = DEFAULT_TAIL if args.tail is None else args.tail
     ans = tel.logs(ranks, args.grep, tail)

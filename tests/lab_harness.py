@@ -109,3 +109,33 @@ def browser(p, tmp: Path, width: int = 1280, height: int = 1000):
     return p.chromium.launch_persistent_context(
         str(tmp / "chromium"), executable_path=CHROMIUM, headless=True, viewport={"width": width, "height": height},
         args=CHROMIUM_ARGS)
+
+
+RUN_ALL = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"   # not awaited: it
+# resolves only once every cell ran
+
+
+@contextlib.contextmanager
+def notebook_page(tmp: Path, name: str, cells: list[str]):
+    """A JupyterLab with one notebook of ``cells`` (``tmp/root/name``) open in headless
+    Chromium, its kernel ready: yields the Playwright page, with ``page.notebook`` (the
+    file) and ``page.console_errors`` (what the page logged as errors)."""
+    import pytest
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
+                                                                 "playwright; it uses the system Chromium)")
+    (tmp / "root").mkdir()
+    notebook = tmp / "root" / name
+    write_notebook(notebook, cells)
+    with jupyter_lab(tmp, name) as (url, _home), sync_api.sync_playwright() as p:
+        ctx = browser(p, tmp)
+        try:
+            pg = ctx.pages[0] if ctx.pages else ctx.new_page()
+            pg.notebook = notebook
+            pg.console_errors = []
+            pg.on("console", lambda m: m.type == "error" and pg.console_errors.append(m.text))
+            pg.goto(url)
+            pg.wait_for_function(READY, timeout=90_000, polling=250)
+            yield pg
+        finally:
+            ctx.close()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lab_harness import READY, browser, jupyter_lab, needs_chromium, write_notebook
+from lab_harness import READY, RUN_ALL, needs_chromium, notebook_page
 
 MESH = "kt-nb-browser"
 CELLS = [
@@ -33,26 +33,9 @@ pytestmark = [needs_chromium, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
-                                                                 "playwright; it uses the system Chromium)")
-    tmp = tmp_path_factory.mktemp("nb-browser")
-    (tmp / "root").mkdir()
-    notebook = tmp / "root" / "user.ipynb"
-    write_notebook(notebook, CELLS)
-    with jupyter_lab(tmp, "user.ipynb") as (url, _home), sync_api.sync_playwright() as p:
-        ctx = browser(p, tmp)
-        try:
-            pg = ctx.pages[0] if ctx.pages else ctx.new_page()
-            pg.notebook = notebook
-            pg.console_errors = []
-            pg.on("console", lambda m: m.type == "error" and pg.console_errors.append(m.text))
-            pg.goto(url)
-            pg.wait_for_function(READY, timeout=90_000, polling=250)
-            # Not awaited: the command's promise resolves only once every cell ran.
-            pg.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-            yield pg
-        finally:
-            ctx.close()
+    with notebook_page(tmp_path_factory.mktemp("nb-browser"), "user.ipynb", CELLS) as pg:
+        pg.evaluate(RUN_ALL)
+        yield pg
 
 
 SHOTS = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS") or tempfile.mkdtemp(prefix="mk-screens-"))

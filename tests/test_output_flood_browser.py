@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from lab_harness import READY, browser, jupyter_lab, needs_chromium, write_notebook
+from lab_harness import RUN_ALL, needs_chromium, notebook_page
 
 MESH = "kt-flood-browser"
 RANKS, LINES = 8, 10_000
@@ -45,22 +45,10 @@ TICKER = """() => {
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
-                                                                 "playwright; it uses the system Chromium)")
-    tmp = tmp_path_factory.mktemp("flood-browser")
-    (tmp / "root").mkdir()
-    write_notebook(tmp / "root" / "flood.ipynb", CELLS)
-    with jupyter_lab(tmp, "flood.ipynb") as (url, _home), sync_api.sync_playwright() as p:
-        ctx = browser(p, tmp)
-        try:
-            pg = ctx.pages[0] if ctx.pages else ctx.new_page()
-            pg.goto(url)
-            pg.wait_for_function(READY, timeout=90_000, polling=250)
-            pg.evaluate(TICKER)
-            pg.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-            yield pg
-        finally:
-            ctx.close()
+    with notebook_page(tmp_path_factory.mktemp("flood-browser"), "flood.ipynb", CELLS) as pg:
+        pg.evaluate(TICKER)
+        pg.evaluate(RUN_ALL)
+        yield pg
 
 
 def cell(page, i: int):

@@ -20,8 +20,8 @@ from .workspace import SyncError, sync_workspace
 PROGRESS_MIN_BYTES = 1_000_000
 
 parser = mesh_parser(
-    "sync", "Push local code to every host of the mesh (once per host, only what changed); the "
-            "procs then reload the modules whose files changed. Default PATH: the working directory.",
+    "sync", "push local code to every host of the mesh (only what changed); the procs reload the "
+            "modules whose files changed",
     usage="%mesh sync [PATH ...] [--env] [--dry-run] [--no-reload] [--exclude PATTERN] [--max-size SIZE]")
 parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders (default: the working directory)")
 parser.add_argument("--env", action="store_true",

@@ -136,6 +136,35 @@ def test_every_rank_is_sampled_each_second_without_gpu_columns(mesh):
     assert all(r[2] > 10 and r[3] is None and r[4] is None for r in rows), rows
 
 
+class Threads(Actor):
+    @endpoint
+    def zmq_contexts(self) -> int:
+        """zmq contexts in this proc: each has one reaper thread."""
+        names = []
+        for t in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        return names.count("ZMQbg/Reaper")
+
+    @endpoint
+    def noop(self) -> None:
+        return None
+
+
+def test_a_proc_sending_many_call_records_keeps_one_zmq_context(mesh):
+    """A telemetry pull of thousands of call records (over pyzmq's 64 KB copy threshold) is
+    copied, so pyzmq does not start its zero-copy garbage collector in every proc (a thread
+    and a zmq context of its own: 3 threads and 7 descriptors more a proc)."""
+    _, pm, _ = mesh
+    t = pm.spawn("threads", Threads)
+    for _ in range(3000):   # ~200 KB of records a proc for the next pull
+        t.noop.call().get()
+    rows = wait_for(lambda: pm.telemetry.query("select count(*) from calls where actor = 'threads'")[0][0] >= 6000,
+                    within=20)
+    assert rows, "the agent did not pull the procs' call records"
+    assert t.zmq_contexts.call().get().values() == [1, 1]
+
+
 def test_calls_and_their_failures_land_in_the_calls_table(mesh):
     _, pm, w = mesh
     w.work.call(3).get()

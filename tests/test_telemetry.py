@@ -150,11 +150,16 @@ class Threads(Actor):
     def noop(self) -> None:
         return None
 
+    @endpoint
+    def blob(self) -> bytes:
+        return b"x" * 200_000
 
-def test_a_proc_sending_many_call_records_keeps_one_zmq_context(mesh):
-    """A telemetry pull of thousands of call records (over pyzmq's 64 KB copy threshold) is
-    copied, so pyzmq does not start its zero-copy garbage collector in every proc (a thread
-    and a zmq context of its own: 3 threads and 7 descriptors more a proc)."""
+
+def test_a_proc_sending_many_call_records_or_a_big_reply_keeps_one_zmq_context(mesh):
+    """A telemetry pull of thousands of call records, or a 200 KB reply, is over pyzmq's 64 KB
+    copy threshold: a proc copies it (core/transport.py PROC_COPY_THRESHOLD), so pyzmq does
+    not start its zero-copy garbage collector in every proc (a thread and a zmq context of
+    its own: 3 threads and 7 descriptors more a proc)."""
     _, pm, _ = mesh
     t = pm.spawn("threads", Threads)
     for _ in range(3000):   # ~200 KB of records a proc for the next pull
@@ -162,6 +167,9 @@ def test_a_proc_sending_many_call_records_keeps_one_zmq_context(mesh):
     rows = wait_for(lambda: pm.telemetry.query("select count(*) from calls where actor = 'threads'")[0][0] >= 6000,
                     within=20)
     assert rows, "the agent did not pull the procs' call records"
+    assert t.zmq_contexts.call().get().values() == [1, 1]
+    for _ in range(3):   # and a reply over 64 KB, straight to the caller
+        assert len(t.slice(gpus=1).blob.call_one().get()) == 200_000
     assert t.zmq_contexts.call().get().values() == [1, 1]
 
 

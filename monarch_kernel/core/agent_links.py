@@ -129,13 +129,8 @@ class AgentLinks:
         if link is None:
             self.rt.keyring.add(key)
             link = self.links[addr] = AgentLink(self.rt.ctx, addr, key)
-            if self.rt.role == "proc":
-                # A proc copies what it sends its agent (a frame is at most MAX_FRAME, and
-                # rarely more than its calls' records since the last telemetry pull): sent
-                # without a copy, a frame over pyzmq's 64 KB made pyzmq start its zero-copy
-                # garbage collector, a thread with a zmq context of its own: 3 threads and 7
-                # descriptors more a proc (768 threads and 1,792 descriptors on a host of 256).
-                link.sock.copy_threshold = curve.MAX_FRAME + 1
+            if self.rt.transport.copy_threshold:   # a proc (transport.PROC_COPY_THRESHOLD)
+                link.sock.copy_threshold = self.rt.transport.copy_threshold
             self.rt.keyring.accept(f"agent {addr}", wire.dest_of_identity(link.ident))
             self._watch_socket(link.sock)
         return link

@@ -29,6 +29,7 @@ from .future import Future
 from .inbox import Inbox
 from .messages import Died, Output, Replaced, Replies, Reply, Unhandled, Wake
 from .transport import (
+    PROC_COPY_THRESHOLD,
     SAME_HOST_IPC,
     ProcRef,
     Transport,
@@ -61,6 +62,8 @@ class Runtime:
         self._inbox = inbox = Inbox(self.ctx, self.keyring, bind_host)
         self.host_id = host_id()
         self.transport = transport = Transport(self.ctx, self.keyring, self.host_id, inbox.call_in_io)
+        if role == "proc":
+            transport.copy_threshold = PROC_COPY_THRESHOLD
         self.calls = calls = Calls(inbox.wait_for, inbox.wake_reader)
         self._agents = AgentLinks(self, inbox.watch_socket, inbox.unwatch_socket)
         self.bind_host = bind_host

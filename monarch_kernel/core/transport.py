@@ -32,6 +32,14 @@ _DEST_IDS = wire.DEST_IDS
 
 # Same-host peers talk over ipc; 0 forces tcp (to measure the tcp path, e.g. with CURVE, on one host).
 SAME_HOST_IPC = config.SAME_HOST_IPC.get()
+# A proc copies the frames it sends up to this size (the largest a tcp frame is, curve.py),
+# its sockets' ``copy_threshold``. pyzmq sends a frame over its own 64 KB without a copy,
+# and the first such send starts its zero-copy garbage collector in that process: a thread
+# with a zmq context of its own, 3 threads and 7 descriptors more a proc (768 threads on a
+# host of 256 procs that each once sent a big telemetry pull or a 100 KB reply). A copy of at
+# most 4 MiB costs well under a millisecond; large tensors go through shared memory anyway.
+# The controller keeps zero-copy sends (its arguments can be large, and it is one process).
+PROC_COPY_THRESHOLD = curve.MAX_FRAME + 1
 
 
 class ProcRef(NamedTuple):
@@ -69,6 +77,7 @@ class Transport:
         self._all_senders: list[zmq.Socket] = []
         self._retired: dict[str, int] = {}   # address of a forgotten proc -> generation (forget)
         self._retired_gen = 0
+        self.copy_threshold: int | None = None   # set in procs: PROC_COPY_THRESHOLD
 
     # ----------------------------------------------------------------- sending (any thread)
     def sender(self, addr: str) -> zmq.Socket:
@@ -86,6 +95,8 @@ class Transport:
         s = socks.get(target)
         if s is None:
             s = self.ctx.socket(zmq.PUSH)
+            if self.copy_threshold:
+                s.copy_threshold = self.copy_threshold
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.LINGER, 2000)
             curve.connect(s, target, self.curve_servers.get(target))   # CURVE only on tcp that leaves the host

@@ -94,6 +94,9 @@ def test_ranks_are_given_back_in_the_form_the_output_prints_them(k):
     r = k.run("%mesh logs 3-1")
     text = r.stderr + r.error.get("evalue", "")
     assert r.status == "error" and "'3-1' runs backwards; write 1-3" in text, text
+    r = k.run("%mesh logs 1-2 --ranks 3")
+    text = r.stderr + r.error.get("evalue", "")
+    assert r.status == "error" and "%mesh logs: ranks given twice ('1-2' and --ranks '3'): give one" in text, text
 
 
 def test_bad_output_flags_name_the_problem(k):

@@ -40,7 +40,7 @@ def logs(ctx, args):
     if args.tail is not None and args.tail < 0:
         raise ValueError(f"--tail must be 0 or more, got {args.tail}")
     if args.spec and args.ranks and args.spec != args.ranks:
-        raise ValueError(f"%mesh logs: ranks given twice ({args.spec!r} and --ranks {args.ranks!r}): give one")
+        raise ValueError(f"ranks given twice ({args.spec!r} and --ranks {args.ranks!r}): give one")
     spec = args.spec or args.ranks
     ranks = set(parse_rank_spec(spec, view_of(procs)).ranks) if spec else None
     tel = procs.telemetry

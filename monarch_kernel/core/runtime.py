@@ -61,9 +61,8 @@ class Runtime:
         self.keyring = wire.Keyring()
         self._inbox = inbox = Inbox(self.ctx, self.keyring, bind_host)
         self.host_id = host_id()
-        self.transport = transport = Transport(self.ctx, self.keyring, self.host_id, inbox.call_in_io)
-        if role == "proc":
-            transport.copy_threshold = PROC_COPY_THRESHOLD
+        self.transport = transport = Transport(self.ctx, self.keyring, self.host_id, inbox.call_in_io,
+                                               PROC_COPY_THRESHOLD if role == "proc" else None)
         self.calls = calls = Calls(inbox.wait_for, inbox.wake_reader)
         self._agents = AgentLinks(self, inbox.watch_socket, inbox.unwatch_socket)
         self.bind_host = bind_host

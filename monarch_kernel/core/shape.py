@@ -236,16 +236,17 @@ def parse_rank_spec(spec: str, view: MeshView) -> MeshView:
         raise ValueError("empty rank spec: give an index (3), a list (1,4,6), a range (0:8:2 or 0-7) or "
                          "dim=range")
     if "=" in text:
+        sizes = dict(zip(view.labels, view.sizes))
         selection = {}
         for term in text.split(","):
             if "=" not in term:
                 raise ValueError(f"malformed rank spec {spec!r}: mix of named ({text}) and plain terms")
             k, v = term.split("=", 1)
-            sel = selection[k.strip()] = _parse_index(v, spec)
-            size = dict(zip(view.labels, view.sizes)).get(k.strip())
-            if isinstance(sel, range) and size is not None and sel[-1] >= size:
-                raise ValueError(f"{term.strip()} ends out of range: {k.strip()} has size {size} "
-                                 f"(valid indices 0..{size - 1})")
+            label = k.strip()
+            sel = selection[label] = _parse_index(v, spec)
+            if isinstance(sel, range) and label in sizes and sel[-1] >= sizes[label]:
+                raise ValueError(f"{term.strip()} ends out of range: {label} has size {sizes[label]} "
+                                 f"(valid indices 0..{sizes[label] - 1})")
         return view.slice(**selection)
     flat = view.flatten("ranks")
     n = len(flat)

@@ -62,7 +62,8 @@ class Transport:
     """Sender sockets, per thread and destination, and the address book behind them:
     ipc aliases of same-host peers and CURVE keys of remote ones."""
 
-    def __init__(self, ctx: zmq.Context, keyring: wire.Keyring, host: str, run_in_io: Callable):
+    def __init__(self, ctx: zmq.Context, keyring: wire.Keyring, host: str, run_in_io: Callable,
+                 copy_threshold: int | None = None):
         self.ctx = ctx
         self.keyring = keyring
         self.host_id = host
@@ -77,7 +78,7 @@ class Transport:
         self._all_senders: list[zmq.Socket] = []
         self._retired: dict[str, int] = {}   # address of a forgotten proc -> generation (forget)
         self._retired_gen = 0
-        self.copy_threshold: int | None = None   # set in procs: PROC_COPY_THRESHOLD
+        self.copy_threshold = copy_threshold   # a proc's: PROC_COPY_THRESHOLD (None: pyzmq's)
 
     # ----------------------------------------------------------------- sending (any thread)
     def sender(self, addr: str) -> zmq.Socket:

@@ -43,6 +43,7 @@ import zmq
 
 from monarch_kernel import config
 from monarch_kernel.core import curve, wire
+from monarch_kernel.core.fanout import FAN_PREFIX   # a fanned call's reply_to: its reply goes back through the agent
 from monarch_kernel.core.messages import Fan
 from monarch_kernel.core.runtime import host_id, ipc_name, is_local
 from monarch_kernel.core.wire import PLAIN_TYPES
@@ -509,7 +510,6 @@ class FanRelay:
 
 
 # -------------------------------------------------------------------- the proc's side
-FAN_PREFIX = "fan+"   # reply_to of a fanned call: the reply goes back through the agent
 
 
 def real_address(reply_to):
@@ -535,13 +535,13 @@ def send_fanned_reply(rt, gather: str, key: bytes, reply_to: str, call_id: int, 
     dest = reply_to[len(FAN_PREFIX):]
     if link is not None:
         if type(value) in PLAIN_TYPES:
-            link.send_reply(dest, call_id, ok, _dumps(value, 5))
+            link.send_reply(reply_to, call_id, ok, _dumps(value, 5))
             return
         try:
             vframes = wire.dumps(value, 1 if is_local(dest) else 0)
         except Exception as e:
             ok, vframes = False, wire.dumps(unsendable(e))
-        link.send_reply(dest, call_id, ok, vframes[0], vframes[1:])
+        link.send_reply(reply_to, call_id, ok, vframes[0], vframes[1:])
         return
     if type(value) in PLAIN_TYPES:
         # The usual reply (None, a number, a string): what call_one's lean reply does, through

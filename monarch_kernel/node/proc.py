@@ -53,7 +53,7 @@ from monarch_kernel.node import fanlink, fanout
 from monarch_kernel.node.held_replies import HOLD_S, HeldReplies
 from monarch_kernel.node.output_batch import OutputBatch
 from monarch_kernel.node.output_limit import SKIPPED, OutputLimit, shortened_lines, skipped_text
-from monarch_kernel.telemetry.worker import ProcTelemetry
+from monarch_kernel.telemetry.worker import CELL_ACTOR, ProcTelemetry
 
 
 class ActorSlot:
@@ -713,10 +713,14 @@ class ProcWorker:
             return self.do_call(msg)
         name = entry[0]
         value, ok, exc, ours, took = self._invoke(slot, aid, name, entry[3], args, kwargs, (reply_to, call_id))
-        if self.telemetry.enabled:
-            self.telemetry.record_call(slot.name, name, args, _time() - took, took, ok, value)
+        tel = self.telemetry
+        if tel.enabled:   # record_call's row, made here for an actor's call (a cell's goes there)
+            if slot.name != CELL_ACTOR:
+                tel.calls.append((_time() - took, tel.mesh, tel.rank, slot.name, name, took, ok))
+            else:
+                tel.record_call(slot.name, name, args, _time() - took, took, ok, value)
         if ok and type(value) in PLAIN_TYPES and not (self.output_batch.pending or self.output_limit.skipped):
-            link.send_reply(reply_to[_FAN_PREFIX_LEN:], call_id, True, _dumps(value, 5))
+            link.send_reply(reply_to, call_id, True, _NONE_PICKLED if value is None else _dumps(value, 5))
             return
         self._finish_call(aid, reply_to, call_id, ok, value, False, exc, ours)
 
@@ -966,8 +970,8 @@ class ProcWorker:
 
 
 _FAN_PREFIX = fanout.FAN_PREFIX
-_FAN_PREFIX_LEN = len(_FAN_PREFIX)
 _dumps, _loads = pickle.dumps, pickle.loads
+_NONE_PICKLED = pickle.dumps(None, 5)   # the usual value of a call made for its effect
 _LINK_CALL = fanlink.CALL   # a fan link record's kind: a whole call
 _clock, _time = time.perf_counter, time.time
 _NOBLOCK = int(zmq.NOBLOCK)

@@ -53,6 +53,10 @@ class Linked(Actor):
         return value
 
     @endpoint
+    def quiet(self) -> None:
+        """Returns nothing, prints nothing: the proc's fast path all the way (a constant reply)."""
+
+    @endpoint
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return current_rank().rank
@@ -97,6 +101,27 @@ def test_fanned_calls_their_replies_and_output_travel_on_each_procs_fan_link(lin
     assert m.slice(gpus=2).rank.call_one().get(30) == 2
     again = m.counts.call().get(30).values()
     assert [a[0] - b[0] for a, b in zip(again, after)] == [1] * 6
+
+
+def test_a_fanned_call_on_the_fast_path_answers_none_and_lands_in_the_calls_table(linked):
+    """The proc answers a fanned call to a quiet endpoint on its link with a constant pickle
+    of None and makes the telemetry row itself (node/proc.py ``_linked_call``): the values,
+    the link's counters and the calls table say it went that way and lost nothing."""
+    pm, m = linked
+    before = m.counts.call().get(30).values()
+    for _ in range(3):
+        assert m.quiet.call().get(30).values() == [None] * 6
+    after = m.counts.call().get(30).values()
+    assert [a[0] - b[0] for a, b in zip(after, before)] == [4] * 6   # 3 quiet + counts, each on the link
+    assert [a[1] - b[1] for a, b in zip(after, before)] == [4] * 6
+    deadline, rows = time.monotonic() + 15, []
+    while time.monotonic() < deadline:   # the rows come with the agent's next pull (~1 s)
+        rows = pm.telemetry.query("select rank, actor, endpoint, ok, seconds from calls where endpoint = 'quiet'")
+        if len(rows) >= 18:
+            break
+        time.sleep(0.3)
+    assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == sorted((r, "linked", "quiet", 1) for r in range(6) for _ in range(3))
+    assert all(0 <= r[4] < 1 for r in rows)
 
 
 def test_large_values_and_tensors_cross_the_fan_link_in_pieces_both_ways(linked):

@@ -120,7 +120,8 @@ def test_a_fanned_call_on_the_fast_path_answers_none_and_lands_in_the_calls_tabl
         if len(rows) >= 18:
             break
         time.sleep(0.3)
-    assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == sorted((r, "linked", "quiet", 1) for r in range(6) for _ in range(3))
+    want = sorted((rank, "linked", "quiet", 1) for rank in range(6) for _ in range(3))
+    assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == want
     assert all(0 <= r[4] < 1 for r in rows)
 
 

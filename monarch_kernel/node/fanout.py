@@ -43,7 +43,7 @@ import zmq
 
 from monarch_kernel import config
 from monarch_kernel.core import curve, wire
-from monarch_kernel.core.fanout import FAN_PREFIX   # a fanned call's reply_to: its reply goes back through the agent
+from monarch_kernel.core.fanout import FAN_PREFIX  # a fanned call's reply_to: its reply goes back through the agent
 from monarch_kernel.core.messages import Fan
 from monarch_kernel.core.runtime import host_id, ipc_name, is_local
 from monarch_kernel.core.wire import PLAIN_TYPES

@@ -42,8 +42,8 @@ class ProcTelemetry:
                 ok = ok and type(value).__name__ != "CellFailure"   # (one line a statement: a line event each)
                 self.cells.append((started, self.mesh, self.rank, args[1] if type(args[1]) is str else "", seconds, ok))
             return
-        self.calls.append((started, self.mesh, self.rank, actor, endpoint, seconds, ok))   # (node/proc.py's
-        # _linked_call makes the same row itself, a function call less on the hot path: change both)
+        # (node/proc.py's _linked_call makes this row itself, a function call less on the hot path: change both)
+        self.calls.append((started, self.mesh, self.rank, actor, endpoint, seconds, ok))
 
     def _on_enable(self, link, on: bool):
         self.enabled = bool(on)

@@ -247,7 +247,9 @@ def ipyparallel_bcast(n: int) -> None:
 
     os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="mk-bench-ipython-"))
     t0 = time.perf_counter()
-    cluster = ipp.Cluster(n=n, log_level=40)
+    # engine_timeout: ipyparallel gives up on its engines after 60 s by default (121 of 128
+    # had registered by then here); wait as long as for ours, so the figure is how long it takes.
+    cluster = ipp.Cluster(n=n, log_level=40, engine_timeout=600)
     try:
         rc = cluster.start_and_connect_sync(activate=False)
         rc.wait_for_engines(n, timeout=600)

@@ -9,6 +9,7 @@ still holds on purpose (the session's private ``this_host()`` agent).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -80,6 +81,8 @@ def no_orphans(request):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """Stop what the session still holds, then remove its home (its meshes' files and the
+    procs' logs: a flood test writes ~180 MB of them), so runs do not fill /tmp."""
     from monarch_kernel.core import hosts
 
     for hm in list(hosts._named.values()):
@@ -87,3 +90,7 @@ def pytest_sessionfinish(session, exitstatus):
             hm.shutdown()
         except Exception:
             pass
+    deadline = time.monotonic() + 5.0
+    while marked_processes() and time.monotonic() < deadline:   # (they write their logs there)
+        time.sleep(0.1)
+    shutil.rmtree(_HOME, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import sys
 import tempfile
@@ -176,6 +177,7 @@ class KernelHarness:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        shutil.rmtree(self.home, ignore_errors=True)   # its meshes' files and its procs' logs
         if left:
             pytest.fail(f"the kernel tests left {len(left)} process(es) behind: {sorted(left)}")
 

@@ -119,3 +119,17 @@ def test_load_ext_in_a_plain_ipython_kernel():
         assert r.stdout == "[ranks 0-1] hi\n" and "rank 1: 3" in r.result   # identical lines merged
     finally:
         h.close(stop_meshes=("plain",))
+
+
+def test_a_closed_kernel_leaves_no_home_behind():
+    """A kernel test's MONARCH_KERNEL_HOME (its meshes' files, its procs' logs: a flood test
+    writes ~180 MB) goes with the kernel, so repeated runs of the suite do not fill /tmp."""
+    h = KernelHarness(env={"MONARCH_KERNEL_NO_TORCH": "1"})
+    home = h.home
+    try:
+        h.ok("%mesh connect lifecycle_home --procs 1", timeout=120)
+        h.ok("%%on_mesh\nprint('to the log')")
+        assert os.listdir(os.path.join(home, "logs")), "the procs' logs are under the kernel's home"
+    finally:
+        h.close(stop_meshes=("lifecycle_home",))
+    assert not os.path.exists(home)

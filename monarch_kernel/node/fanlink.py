@@ -193,8 +193,7 @@ class ProcLink:
         self.lock = threading.Lock()
         self.parts: _Parts | None = None
         self.scratch = memoryview(bytearray(RECORD_MAX))   # a record comes in here (``read``)
-        self._dests: dict[str, bytes] = {}
-        self._reply_dests: dict[str, bytes] = {}   # a fanned reply_to -> its gather's address, encoded
+        self._dests: dict[str, bytes] = {}   # a sink's address or a fanned reply_to -> the address, encoded
         self.received = self.sent = 0   # messages, each way (tests: the fanned path is this one)
 
     def read(self):
@@ -240,21 +239,18 @@ class ProcLink:
         d = self._dests.get(dest) or self._dest(dest)
         return _pack_meta(call_id, ok, len(d)) + d
 
-    def _dest(self, dest: str) -> bytes:
+    def _dest(self, dest: str, cut: int = 0) -> bytes:
+        """``dest[cut:]`` encoded, kept by ``dest`` (a sink's address, or a fanned reply_to
+        whose FAN_PREFIX is cut: no slice and no encode a call)."""
         if len(self._dests) > 64:
             self._dests.clear()
-        d = self._dests[dest] = dest.encode()
+        d = self._dests[dest] = dest[cut:].encode()
         return d
 
     def send_reply(self, reply_to: str, call_id: int, ok: bool, vheader, vbufs=()) -> None:
         """A fanned call's reply: its value pickled apart (the agent never unpickles it).
-        ``reply_to``: the call's, FAN_PREFIX and the gather's address (the encoded address
-        is kept by it: no slice and no encode a call)."""
-        d = self._reply_dests.get(reply_to)
-        if d is None:
-            if len(self._reply_dests) > 64:
-                self._reply_dests.clear()
-            d = self._reply_dests[reply_to] = reply_to[len(FAN_PREFIX):].encode()
+        ``reply_to``: the call's, FAN_PREFIX and the gather's address."""
+        d = self._dests.get(reply_to) or self._dest(reply_to, len(FAN_PREFIX))
         if not vbufs and len(d) + len(vheader) < RECORD_MAX - 16:   # the usual reply: one record
             rec = b"".join((b"r", _pack_meta(call_id, ok, len(d)), d, vheader))
             with self.lock:

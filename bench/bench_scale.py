@@ -27,7 +27,9 @@ For each N (one host agent, N procs), JSON lines {"system", "metric", "value", "
 256 procs only with ``--with-256`` (heavy on a small machine; it raises the agent's proc
 cap and lowers its per-proc memory estimate to the measured ~15 MB PSS, through
 MONARCH_KERNEL_MAX_PROCS / MONARCH_KERNEL_PROC_MEM_MB). ``--hosts8``: also 256 procs as 8
-hosts x 32, each host an agent in its own network namespace (root; tests/scale_hosts.py).
+hosts x 32, each host an agent in its own network namespace where root allows, else on a
+loopback port of its own (``"how"``: netns or loopback; ``MK_SCALE_HOSTS`` picks;
+tests/scale_hosts.py).
 Each call-to-all figure is taken with fan-out through the agent (``"fanout": true``) and,
 alternating in the same run, without it (``MONARCH_KERNEL_FANOUT_MIN=0``: one send per proc);
 with 8 hosts also with the hosts in a tree (``"tree_width"`` 2 and 3:
@@ -91,7 +93,7 @@ def timed_calls(fn, iters: int) -> list[float]:
     return out
 
 
-def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None:
+def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1, how: str | None = None) -> None:
     from monarch_kernel.core.runtime import runtime
 
     per_host = per_host or n
@@ -99,7 +101,8 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None
     procs = host.spawn_procs(per_host={"gpus": per_host}, name=f"scale{n}")
     actors = procs.spawn("scale", ScaleBench)
     actors.noop.call().get(600)
-    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=hosts)
+    where = {"how": how} if how else {}
+    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=hosts, **where)
     iters = iters_for(n)
     saved = {k: os.environ.get(k) for k in ("MONARCH_KERNEL_FANOUT_MIN", "MONARCH_KERNEL_FANOUT_TREE_WIDTH")}
     fan_min = saved["MONARCH_KERNEL_FANOUT_MIN"] or "4"
@@ -112,7 +115,7 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1) -> None
             for fan, width in modes:
                 os.environ["MONARCH_KERNEL_FANOUT_MIN"] = fan_min if fan else "0"
                 os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"] = str(width)
-                tag = {"n": n, "hosts": hosts, "fanout": fan, "round": rnd}
+                tag = {"n": n, "hosts": hosts, "fanout": fan, "round": rnd, **where}
                 if hosts > 1:
                     tag["tree_width"] = width
                 actors.noop.call().get()
@@ -176,19 +179,16 @@ def _messages_per_call(rt, call, iters: int) -> tuple[float, float]:
 
 
 def eight_hosts() -> None:
-    """256 procs as 8 hosts x 32, one network namespace each (needs root)."""
+    """256 procs as 8 hosts x 32: one network namespace each where root allows, else one
+    loopback port each."""
     import scale_hosts
 
     from monarch_kernel.core.bootstrap import attach_to_workers
 
-    why = scale_hosts.unavailable()
-    if why:
-        emit("hosts8_skipped", 1, "", why=why)
-        return
     with scale_hosts.AgentHosts(8) as hosts:
         hm = attach_to_workers(hosts.addrs, key=hosts.key, name="bench-hosts8")
         try:
-            actor_api(hm, 256, per_host=32, hosts=8)
+            actor_api(hm, 256, per_host=32, hosts=8, how=hosts.mode)
         finally:
             hm.shutdown()
 
@@ -285,7 +285,7 @@ def main() -> None:
     ap.add_argument("--no-ipyparallel", action="store_true")
     ap.add_argument("--ipp-n", default="", help="engine counts for ipyparallel (default: the same as --n)")
     ap.add_argument("--no-kernel", action="store_true")
-    ap.add_argument("--hosts8", action="store_true", help="also 256 procs as 8 netns hosts x 32 (root)")
+    ap.add_argument("--hosts8", action="store_true", help="also 256 procs as 8 hosts x 32 (netns, or loopback)")
     ap.add_argument("--no-floor", action="store_true", help="skip the bare-Python floor (bench/floor_raw.py)")
     a = ap.parse_args()
     ns = [int(x) for x in a.n.split(",") if x]

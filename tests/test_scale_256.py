@@ -1,10 +1,13 @@
-"""256 procs on this machine as 8 hosts x 32 (issue 11, section 4): each host a host agent
-in its own network namespace (own address and hostname), its 32 procs forked from its warm
-zygote. One bring-up (about a minute on 2 cores), then what a user does at that size:
-spawn, a call to all, a cell through a real kernel, every rank busy for seconds (the hosts
-must not be declared lost for it), a killed proc, a lost host, stop, no orphans.
+"""256 procs on this machine as 8 hosts x 32 (issue 11, section 4): each host a host agent,
+its 32 procs forked from its warm zygote. One bring-up (about a minute on 2 cores), then
+what a user does at that size: spawn, a call to all, a cell through a real kernel, every
+rank busy for seconds (the hosts must not be declared lost for it), a killed proc, a lost
+host, stop, no orphans.
 
-Marked ``scale`` (``-m "not scale"`` leaves it out); skipped, saying why, without root.
+Two ways to make 8 hosts here (scale_hosts.py): each agent in its own network namespace,
+with its own address and hostname (needs root: skipped, saying why, without it), and each on
+a loopback port of its own (anyone; a lost host is a frozen one). Marked ``scale``
+(``-m "not scale"`` leaves it out).
 """
 from __future__ import annotations
 
@@ -36,9 +39,10 @@ N = HOSTS * PER_HOST
 class Rank(Actor):
     @endpoint
     def where(self) -> tuple:
+        """(this proc's host, as scale_hosts names it; its pid; its hostname)"""
         import socket
 
-        return socket.gethostname(), os.getpid()
+        return os.environ.get("MK_SCALE_HOST"), os.getpid(), socket.gethostname()
 
     @endpoint
     def spin(self, seconds: float) -> int:
@@ -53,14 +57,15 @@ class Rank(Actor):
         time.sleep(seconds)
 
 
-def test_256_procs_on_8_hosts_spawn_answer_run_a_cell_survive_load_and_fail_exactly():
+@pytest.mark.parametrize("how", ["netns", "loopback"])
+def test_256_procs_on_8_hosts_spawn_answer_run_a_cell_survive_load_and_fail_exactly(how):
     why = scale_hosts.unavailable()
-    if why:
+    if how == "netns" and why:
         pytest.skip(why)
     if os.environ.get(_INNER) != "1":
-        _run_in_a_process_of_its_own()
+        _run_in_a_process_of_its_own(how)
         return
-    with scale_hosts.AgentHosts(HOSTS) as hosts:
+    with scale_hosts.AgentHosts(HOSTS, how=how) as hosts:
         hm = None
         try:
             _spawn_and_run_a_cell_from_a_kernel(hosts)
@@ -74,13 +79,14 @@ def test_256_procs_on_8_hosts_spawn_answer_run_a_cell_survive_load_and_fail_exac
 _INNER = "MK_TEST_SCALE_256_INNER"
 
 
-def _run_in_a_process_of_its_own() -> None:
+def _run_in_a_process_of_its_own(how: str) -> None:
     """Attaching to the netns hosts makes this process's runtime listen on their bridge and
     give that address to every peer from then on (Runtime.listen_on); the bridge is deleted
     at the end, and the later tests of a shared pytest process would send their procs a reply
     address that no longer exists (their calls hung). A pytest process of its own keeps the
     test's network out of the rest of the suite; the orphan check still runs here."""
-    test = f"{__file__}::{test_256_procs_on_8_hosts_spawn_answer_run_a_cell_survive_load_and_fail_exactly.__name__}"
+    name = test_256_procs_on_8_hosts_spawn_answer_run_a_cell_survive_load_and_fail_exactly.__name__
+    test = f"{__file__}::{name}[{how}]"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", test],
                        env={**os.environ, _INNER: "1"}, capture_output=True, text=True, timeout=400)
     print(r.stdout[-3000:])
@@ -99,7 +105,7 @@ def _spawn_and_run_a_cell_from_a_kernel(hosts) -> None:
         t0 = time.monotonic()
         k.ok(f"%mesh connect scale256 --procs {PER_HOST}", timeout=240)
         print(f"\n%mesh connect of {N} procs on {HOSTS} hosts: {time.monotonic() - t0:.1f} s")
-        r = k.ok("%%on_mesh\nimport socket\nprint(socket.gethostname())\nrank", timeout=120)
+        r = k.ok("%%on_mesh\nimport os\nprint(os.environ['MK_SCALE_HOST'])\nrank", timeout=120)
         for h in range(HOSTS):   # identical lines merged: one line per host, with its ranks
             lo = h * PER_HOST
             assert f"[ranks {lo}-{lo + PER_HOST - 1}] n{h + 1}" in r.stdout, r.stdout[:2000]
@@ -130,8 +136,10 @@ def _exercise(hm, hosts) -> None:
     assert len(pm) == N
     ranks = pm.spawn("ranks", Rank)
     where = ranks.where.call().get(120).values()
-    assert len(where) == N and len({pid for _, pid in where}) == N
-    assert [h for h, _ in where] == [f"n{1 + r // PER_HOST}" for r in range(N)]   # rank order = host order
+    assert len(where) == N and len({pid for _, pid, _ in where}) == N
+    assert [h for h, _, _ in where] == [f"n{1 + r // PER_HOST}" for r in range(N)]   # rank order = host order
+    if hosts.mode == "netns":   # a host of its own: its hostname too
+        assert [name for _, _, name in where] == [h for h, _, _ in where]
     # The 8 hosts in a tree of width 2 (relays forward to their child agents over tcp + CURVE
     # and merge their batches): the same 256 answers, in rank order.
     os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"] = "2"
@@ -141,7 +149,7 @@ def _exercise(hm, hosts) -> None:
         del os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"]
 
     # Memory per proc: forked from the zygote that imported torch, so most pages are shared.
-    mem = [psutil.Process(pid).memory_full_info() for _, pid in where[::32]]
+    mem = [psutil.Process(pid).memory_full_info() for _, pid, _ in where[::32]]
     uss_mb = max(m.uss for m in mem) / 2**20
     print(f"memory per proc: USS {uss_mb:.1f} MB, PSS {max(m.pss for m in mem) / 2**20:.1f} MB, "
           f"RSS {max(m.rss for m in mem) / 2**20:.0f} MB")
@@ -163,7 +171,7 @@ def _exercise(hm, hosts) -> None:
     assert time.monotonic() - t0 < 3.0
     assert len(ranks.slice(hosts=slice(2, 8)).where.call().get(60).values()) == 6 * PER_HOST
 
-    # A lost host (its link cut) fails only its members' calls, within the host bound.
+    # A lost host (its link cut; on loopback, frozen) fails only its members' calls, within the host bound.
     fut = ranks.slice(hosts=7).nap.call(30)
     hosts.cut("n8")
     t0 = time.monotonic()

@@ -34,10 +34,12 @@ class Host(Actor):
 
     @endpoint
     def where(self) -> tuple:
+        """(the pod's name, calls so far). A pod's hostname is its name; without root the fake's
+        pods share this machine's hostname and have the name in HOSTNAME, as a real pod does."""
         import socket
 
         self.calls += 1
-        return socket.gethostname(), self.calls
+        return os.environ.get("HOSTNAME") or socket.gethostname(), self.calls
 
 
 def _model(obj: dict, kind: str):

@@ -117,7 +117,10 @@ class AgentHosts:
             return
         if up == (node not in self.frozen):
             return
-        self.frozen.discard(node) if up else self.frozen.add(node)
+        if up:
+            self.frozen.discard(node)
+        else:
+            self.frozen.add(node)
         try:
             agent = psutil.Process(self.agents[node].pid)
             tree = [agent, *agent.children(recursive=True)]

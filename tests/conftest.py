@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 
@@ -94,3 +95,17 @@ def pytest_sessionfinish(session, exitstatus):
     while marked_processes() and time.monotonic() < deadline:   # (they write their logs there)
         time.sleep(0.1)
     shutil.rmtree(_HOME, ignore_errors=True)
+    shots = _screenshots_tmp()
+    if shots is not None and exitstatus == 0:   # (kept when a test failed: pytest_terminal_summary names it)
+        shutil.rmtree(shots, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    shots = _screenshots_tmp()
+    if shots is not None and exitstatus != 0:
+        terminalreporter.write_line(f"browser tests' screenshots: {shots}")
+
+
+def _screenshots_tmp():
+    """The run's own screenshot folder, if a browser test made one (lab_harness.screenshots_dir)."""
+    return getattr(sys.modules.get("lab_harness"), "SCREENSHOTS_TMP", None)

@@ -27,6 +27,21 @@ READY = """() => {
 }"""
 
 
+SCREENSHOTS_TMP: Path | None = None   # the run's own screenshot folder (conftest removes it if the run passed)
+
+
+def screenshots_dir() -> Path:
+    """Where browser tests save their screenshots: ``$MONARCH_KERNEL_SCREENSHOTS`` (kept),
+    else one temporary folder for the run, removed at its end when every test passed and
+    named in the summary when one failed (each run had left 1 MB of them in /tmp)."""
+    global SCREENSHOTS_TMP
+    if os.environ.get("MONARCH_KERNEL_SCREENSHOTS"):
+        return Path(os.environ["MONARCH_KERNEL_SCREENSHOTS"])
+    if SCREENSHOTS_TMP is None:
+        SCREENSHOTS_TMP = Path(tempfile.mkdtemp(prefix="mk-screens-"))
+    return SCREENSHOTS_TMP
+
+
 def write_notebook(path: Path, cells: list[str]) -> None:
     nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
                     for src in cells],

@@ -3,19 +3,16 @@ widget's Enter path and rank switch, the busy indicator, a saved notebook withou
 widgets, the kernel's logo in the launcher.
 
 One JupyterLab and one notebook for the module, run once; the tests then look at it in
-order. Screenshots go to ``$MONARCH_KERNEL_SCREENSHOTS`` (default: a temp dir).
+order. Screenshots go to ``$MONARCH_KERNEL_SCREENSHOTS`` (default: a temp dir, removed when the run passes).
 Needs /usr/bin/chromium and playwright (scripts/setup.sh installs both when it can).
 """
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
-from lab_harness import READY, RUN_ALL, needs_chromium, notebook_page
+from lab_harness import READY, RUN_ALL, needs_chromium, notebook_page, screenshots_dir
 
 MESH = "kt-nb-browser"
 CELLS = [
@@ -38,7 +35,7 @@ def page(tmp_path_factory):
         yield pg
 
 
-SHOTS = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS") or tempfile.mkdtemp(prefix="mk-screens-"))
+SHOTS = screenshots_dir()
 
 
 def shot(page, name: str, **kw) -> None:

@@ -13,13 +13,10 @@ Screenshot: ``notebook-flood.png`` in ``$MONARCH_KERNEL_SCREENSHOTS``.
 """
 from __future__ import annotations
 
-import os
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
-from lab_harness import RUN_ALL, needs_chromium, notebook_page
+from lab_harness import RUN_ALL, needs_chromium, notebook_page, screenshots_dir
 
 MESH = "kt-flood-browser"
 RANKS, LINES = 8, 10_000
@@ -31,7 +28,7 @@ CELLS = [
     f"%mesh stop {MESH}",
 ]
 pytestmark = [needs_chromium, pytest.mark.timeout(300)]
-SHOTS = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS") or tempfile.mkdtemp(prefix="mk-screens-"))
+SHOTS = screenshots_dir()
 
 # Ticks every 50 ms and keeps the longest gap between two ticks: how long the page's main
 # thread was kept from running anything (rendering output, answering a click).

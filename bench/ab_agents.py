@@ -14,6 +14,8 @@ the total of controller, agent, zygote and procs); then each setting's medians o
 
 For a code change rather than a variable: read the variable in the code under test (an
 experiment switch in a scratch tree), run this there with PYTHONPATH set to that tree.
+Below MONARCH_KERNEL_FANOUT_MIN procs (32) a call to all goes straight to the procs, not
+through the agent.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-ab-"))
+from _home import private_dir
+
+private_dir("MONARCH_KERNEL_HOME", "mk-bench-ab-")
 os.environ.setdefault("MONARCH_KERNEL_HOST_TIMEOUT_S", "30")   # 2 x N procs starting on a small machine
 
 import cloudpickle  # noqa: E402

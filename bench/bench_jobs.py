@@ -63,11 +63,13 @@ import sys
 import tempfile
 import time
 
+from _home import private_dir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-jobs-"))
+private_dir("MONARCH_KERNEL_HOME", "mk-bench-jobs-")
 from _common import common  # noqa: E402
 
 emit = common.emit

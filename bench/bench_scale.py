@@ -44,11 +44,12 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-scale-"))
+from _home import private_dir
+
+private_dir("MONARCH_KERNEL_HOME", "mk-bench-scale-")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from monarch_kernel.actor import Actor, endpoint, this_host  # noqa: E402
@@ -245,7 +246,7 @@ def _cpu_ns(k) -> tuple[int, int]:
 def ipyparallel_bcast(n: int) -> None:
     import ipyparallel as ipp
 
-    os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="mk-bench-ipython-"))
+    private_dir("IPYTHONDIR", "mk-bench-ipython-")
     t0 = time.perf_counter()
     # engine_timeout: ipyparallel gives up on its engines after 60 s by default (121 of 128
     # had registered by then here); wait as long as for ours, so the figure is how long it takes.

@@ -19,7 +19,9 @@ import tempfile
 import textwrap
 import time
 
-os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-repro-silence-"))
+from _home import private_dir
+
+private_dir("MONARCH_KERNEL_HOME", "mk-repro-silence-")
 
 SITE = textwrap.dedent('''
     import os, time

@@ -17,11 +17,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
-os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-prof-"))
+from _home import private_dir
+
+private_dir("MONARCH_KERNEL_HOME", "mk-bench-prof-")
 # Five sessions share this machine's 2 cores (load 20-120): an agent can be silent for
 # seconds while 256 procs start or stop; these figures are not about host loss.
 os.environ.setdefault("MONARCH_KERNEL_HOST_TIMEOUT_S", "30")

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 
-os.environ.setdefault("MONARCH_KERNEL_HOME", tempfile.mkdtemp(prefix="mk-bench-spawn-"))
+from _home import private_dir
+
+private_dir("MONARCH_KERNEL_HOME", "mk-bench-spawn-")
 os.environ.setdefault("MONARCH_KERNEL_HOST_TIMEOUT_S", "30")   # shared machine: see scale_profile.py
 
 import psutil  # noqa: E402

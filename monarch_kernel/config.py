@@ -286,7 +286,7 @@ SET_IFNAME = _declare("SET_IFNAME", "bool", False, "a proc chose `GLOO_SOCKET_IF
 
 # ------------------------------------------------------------------- the test suite
 SCREENSHOTS = _declare("SCREENSHOTS", "path", None, "where browser tests save screenshots (default: a "
-                       "temp dir)", "tests")
+                       "temp dir, removed when the run passes)", "tests")
 SOAK_S = _declare("SOAK_S", "float", 30.0, "seconds the reliability soak test runs", "tests", minimum=0)
 SOAK_SEED = _declare("SOAK_SEED", "int", 9, "the soak test's random seed", "tests")
 

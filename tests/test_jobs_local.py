@@ -223,6 +223,12 @@ def test_connect_shorthands_make_the_job_they_name_and_bad_combinations_say_why(
     assert ssh.ssh_args == ["-F", os.path.expanduser("~/c.conf"), "-o", "ProxyJump=a b"]
     with pytest.raises(UsageError, match="--ssh-args goes with --ssh"):
         job_from_args({}, _connect_args('far --slurm "-N 1" --ssh-args "-F c"'), None)
+    local = job_from_args({}, _connect_args("here --hosts 3"), 60.0)
+    assert (local.kind, local.name, local.meshes, local.lease) == ("process", "here", {"hosts": 3}, 60.0)
+    with pytest.raises(UsageError, match="--hosts must be at least 1, got 0"):
+        job_from_args({}, _connect_args("here --hosts 0"), None)
+    with pytest.raises(UsageError, match="not allowed with argument"):
+        _connect_args('here --hosts 2 --slurm "-N 2"')
     mine = ProcessJob({"hosts": 1})
     assert job_from_args({"j": mine}, _connect_args("x --job j"), None) is mine
     with pytest.raises(UsageError, match="--k8s NAMESPACE needs --image"):
@@ -273,6 +279,39 @@ def test_a_notebook_runs_cells_on_the_mesh_of_a_multi_mesh_job_it_names_and_move
         assert not [p for p in agents if _running(p)]
     finally:
         k.close(stop_meshes=("multi",))
+
+
+def test_connect_hosts_makes_a_multi_host_mesh_here_that_survives_a_kernel_restart():
+    """`%mesh connect NAME --hosts N`: N local host agents (a ProcessJob named after the mesh),
+    the procs per host; the same line after a restart re-attaches to them; stop ends them."""
+    from kernel_harness import KernelHarness, home_processes
+
+    k = KernelHarness(env={"MONARCH_KERNEL_NO_TORCH": "1"})
+    try:
+        r = k.ok("%mesh connect twohosts --hosts 2 --procs 2", timeout=120)
+        assert "mesh 'twohosts': 4 procs (hosts=2, gpus=2) on process job" in r.stdout, r.stdout
+        r = k.ok("%%on_mesh\nimport os\nzygote = os.getppid()\nprint('up')")
+        assert "[ranks 0-3] up" in r.stdout, r.stdout
+        assert k.value("len(mesh.slice(hosts=1))") == 2
+        k.ok("%%on_mesh\nzygote")
+        zygotes = k.value("list(_on_mesh.values())")
+        assert len(set(zygotes)) == 2 and zygotes[0] == zygotes[1] != zygotes[2] == zygotes[3], zygotes
+
+        k.restart()
+        r = k.ok("%mesh connect twohosts --hosts 2 --procs 2", timeout=120)
+        assert "mesh 'twohosts': 4 procs (hosts=2, gpus=2) on process job" in r.stdout, r.stdout
+        assert "re-attached (namespaces and actors kept)" in r.stdout, r.stdout
+        k.ok("%%on_mesh\nzygote")   # the same procs, their namespaces kept
+        assert k.value("list(_on_mesh.values())") == zygotes
+
+        kernel = k.value("__import__('os').getpid()")
+        k.ok("%mesh stop twohosts", timeout=60)
+        deadline = time.monotonic() + 10
+        while home_processes(k.home) - {kernel} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not home_processes(k.home) - {kernel}, "agents or procs left after %mesh stop"
+    finally:
+        k.close(stop_meshes=("twohosts",))
 
 
 def test_kill_of_the_kernel_pid_ends_the_agents_of_its_process_job_mesh():

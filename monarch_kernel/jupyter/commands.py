@@ -31,7 +31,7 @@ def _per_host(text: str) -> dict:
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
                       usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
-                            "[--lease DURATION] [--job VAR | --slurm ARGS [--salloc] "
+                            "[--lease DURATION] [--hosts N | --job VAR | --slurm ARGS [--salloc] "
                             "| --ssh HOSTS [--ssh-args OPTIONS] "
                             "| --k8s NS --image IMAGE [--replicas N]] [--mesh MESH]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
@@ -45,6 +45,9 @@ CONNECT.add_argument("--dist", nargs="?", const="auto", metavar="BACKEND",
 CONNECT.add_argument("--lease", metavar="DURATION",
                      help="keep the mesh this long with no notebook attached (90s, 15m, 2h; default 1h)")
 _where = CONNECT.add_mutually_exclusive_group()
+_where.add_argument("--hosts", type=int, metavar="N", help="N hosts on this machine, each a host agent process of "
+                                                          "its own (a multi-host mesh to try here: dims hosts=N, "
+                                                          "--procs or --per-host per host)")
 _where.add_argument("--job", metavar="VAR", help="hosts from a monarch_kernel.job job in notebook variable VAR "
                                                  "(the cells run on its first mesh, or the one --mesh names)")
 _where.add_argument("--slurm", metavar='"SBATCH ARGS"', help='hosts from a Slurm allocation, e.g. --slurm "-N 2 '

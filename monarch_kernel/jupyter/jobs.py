@@ -1,5 +1,6 @@
 """``%mesh connect`` on a cluster: which job the flags ask for, and the scheduler's progress.
 
+    %mesh connect NAME --hosts N                      N local hosts (a ProcessJob)
     %mesh connect NAME --job VAR                      a job object from the notebook
     %mesh connect NAME --slurm "-N 2 -p gpu --gpus-per-node 8" [--salloc]
     %mesh connect NAME --ssh gpu1,alice@gpu2:2222 [--ssh-args "-F cluster.conf -i ~/.ssh/id_gpu"]
@@ -35,6 +36,12 @@ def job_from_args(user_ns: dict, args, lease: float | None):
             raise UsageError(f"%mesh connect --job {args.job}: {args.job!r} is a {type(job).__name__}, not a job "
                              "from monarch_kernel.job (SlurmJob, ProcessJob, ...)")
         return job
+    if getattr(args, "hosts", None) is not None:
+        from ..job import ProcessJob
+
+        if args.hosts < 1:
+            raise UsageError(f"%mesh connect --hosts must be at least 1, got {args.hosts}")
+        return ProcessJob({"hosts": args.hosts}, name=name, lease=lease)
     if getattr(args, "salloc", False) and getattr(args, "slurm", None) is None:
         raise UsageError("%mesh connect: --salloc goes with --slurm ARGS (with --job, give the job "
                          "SlurmJob(allocation='salloc'))")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,6 +123,7 @@ class Tree:
 
     def close(self) -> None:
         self.k.close(stop_meshes=(self.name,))
+        shutil.rmtree(self.home, ignore_errors=True)
 
 
 PROFILE_ON = ("import cProfile as _cp, time as _t; _bench_prof = _cp.Profile(_t.thread_time); "

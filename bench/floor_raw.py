@@ -21,6 +21,7 @@ import json
 import os
 import pickle
 import select
+import shutil
 import socket
 import statistics
 import tempfile
@@ -106,6 +107,7 @@ def run(n: int, calls: int, mode: str) -> dict:
             s.close()
         for p in pids:
             os.waitpid(p, 0)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:

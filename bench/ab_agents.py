@@ -32,11 +32,10 @@ private_dir("MONARCH_KERNEL_HOME", "mk-bench-ab-")
 os.environ.setdefault("MONARCH_KERNEL_HOST_TIMEOUT_S", "30")   # 2 x N procs starting on a small machine
 
 import cloudpickle  # noqa: E402
-import psutil  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_profile  # noqa: E402
-from scale_profile import Noop, diff, snapshot  # noqa: E402
+from scale_profile import Noop, diff, roles, snapshot  # noqa: E402
 
 cloudpickle.register_pickle_by_value(scale_profile)   # the procs do not have bench/ on their path
 
@@ -59,14 +58,6 @@ def setting(text: str) -> dict:
     return out
 
 
-def roles_of(agent_pid: int) -> dict:
-    """This controller, one agent, its zygote and that zygote's procs (scale_profile's roles)."""
-    agent = psutil.Process(agent_pid)
-    zygotes = [c for c in agent.children() if "zygote" in " ".join(c.cmdline())]
-    return {"controller": [os.getpid()], "agent": [agent_pid], "zygote": [z.pid for z in zygotes],
-            "procs": [p.pid for z in zygotes for p in z.children()]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("a", help="setting A: VAR=VALUE[,VAR=VALUE...]")
@@ -80,7 +71,7 @@ def main() -> None:
     os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     emit(what="ab_agents", n=a.n, a=a.a, b=a.b, load=os.getloadavg()[0], cores=os.cpu_count())
     key = os.urandom(32)
-    started, meshes, roles = [], {}, {}
+    started, meshes, pids_of = [], {}, {}
     try:
         for tag, env in settings.items():
             info, proc = start_local_agent(key, name=f"ab-{tag}", persistent=False, env=env)
@@ -90,7 +81,7 @@ def main() -> None:
             actors = procs.spawn("noop", Noop)
             actors.noop.call().get(600)
             meshes[tag] = (hm, procs, actors)
-            roles[tag] = roles_of(proc.pid)
+            pids_of[tag] = roles([proc.pid])
         for tag in meshes:
             for _ in range(20):
                 meshes[tag][2].noop.call().get()
@@ -101,12 +92,12 @@ def main() -> None:
                 for _ in range(5):
                     actors.noop.call().get()
                 took = []
-                before = snapshot(roles[tag])
+                before = snapshot(pids_of[tag])
                 for _ in range(a.calls):
                     t0 = time.perf_counter()
                     actors.noop.call().get()
                     took.append(time.perf_counter() - t0)
-                cpu = diff(before, snapshot(roles[tag]), a.calls)
+                cpu = diff(before, snapshot(pids_of[tag]), a.calls)
                 row = {"p50_ms": round(statistics.median(took) * 1e3, 2),
                        "proc_cpu_us": cpu["procs"]["cpu_us_per_proc_p50"], "agent_cpu_us": cpu["agent"]["cpu_us"],
                        "total_cpu_us": cpu["total_cpu_us"]}

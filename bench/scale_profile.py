@@ -74,7 +74,8 @@ def threads_cpu(pid: int) -> dict[str, int]:
     return out
 
 
-def roles() -> dict[str, list[int]]:
+def roles(agents: list[int] | None = None) -> dict[str, list[int]]:
+    """This controller, its agents (or only ``agents``), their zygotes and those zygotes' procs."""
     me = psutil.Process()
     out: dict[str, list[int]] = {"controller": [me.pid], "agent": [], "zygote": [], "procs": []}
     for c in me.children(recursive=True):
@@ -82,7 +83,7 @@ def roles() -> dict[str, list[int]]:
             cmd = " ".join(c.cmdline())
         except psutil.Error:
             continue
-        if "node.agent" in cmd or "workers.agent" in cmd:
+        if ("node.agent" in cmd or "workers.agent" in cmd) and (agents is None or c.pid in agents):
             out["agent"].append(c.pid)
         elif "node.zygote" in cmd and c.ppid() in out["agent"]:
             out["zygote"].append(c.pid)

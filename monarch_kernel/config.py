@@ -228,10 +228,11 @@ FAN_LINK = _declare("FAN_LINK", "bool", True, "an agent and its procs carry fann
                     "and output over a raw local socket (node/fanlink.py) instead of zmq", "agent")
 
 # ------------------------------------------------------------------- host agent and procs
-MAX_PROCS = _declare("MAX_PROCS", "int", 0, "most procs one agent runs (0: 8 per core, at least 64)",
+MAX_PROCS = _declare("MAX_PROCS", "int", 0, "most procs one agent runs (0: 8 per core, at least 256)",
                      "agent", minimum=0)
-PROC_MEM_MB = _declare("PROC_MEM_MB", "float", 150.0, "memory a new proc is assumed to need when an "
-                       "agent checks room for a spawn", "agent", minimum=0)
+PROC_MEM_MB = _declare("PROC_MEM_MB", "float", 40.0, "memory (MB) a new proc is assumed to need when an "
+                       "agent checks room for a spawn (one forked from the zygote starts at ~7 MB of its own)",
+                       "agent", minimum=0)
 AGENT_MAX_MESSAGE = _declare("AGENT_MAX_MESSAGE", "int", 4 << 20, "largest frame an agent reads before any "
                              "MAC check (bytes, + 4 KiB; at least 4 MiB: larger messages travel in 4 MiB "
                              "pieces)", "agent", minimum=1024)

@@ -308,6 +308,32 @@ def test_a_spawn_the_host_cannot_hold_is_refused_before_forking_and_the_mesh_kee
         hm.shutdown()
 
 
+def test_256_procs_on_one_host_need_no_setting_and_each_starts_well_under_the_memory_assumed(monkeypatch):
+    """Issue 11's 256 procs on this 2-core machine, as a user writes it, with the limits left at
+    their defaults (they refused it: a cap of 64 and 150 MB assumed a proc). The default of
+    MONARCH_KERNEL_PROC_MEM_MB must stay above what a fresh proc really takes."""
+    import psutil
+
+    from monarch_kernel import config
+
+    monkeypatch.delenv("MONARCH_KERNEL_MAX_PROCS", raising=False)
+    monkeypatch.delenv("MONARCH_KERNEL_PROC_MEM_MB", raising=False)
+    if psutil.virtual_memory().available < 256 * 40 * 2**20:
+        pytest.skip("less than 10 GiB of memory available: 256 procs would rightly be refused here")
+    hm = this_host("spawn-256-defaults", lease=60)
+    try:
+        pm = hm.spawn_procs(per_host={"gpus": 256})
+        c = pm.spawn("c", Counter)
+        pids = c.pid.call().get(120).values()
+        assert len(set(pids)) == 256
+        own_mb = [psutil.Process(p).memory_full_info().uss / 2**20 for p in pids[::32]]
+        assert max(own_mb) < config.PROC_MEM_MB.default / 2, own_mb
+        pm.stop()
+        assert _agent_children(hm) == 0
+    finally:
+        hm.shutdown()
+
+
 # ---------------------------------------------------------------- 6. unauthenticated peers are cheap
 def test_a_huge_frame_and_many_idle_connections_from_a_peer_without_the_key_cost_the_agent_little():
     import socket

@@ -475,7 +475,7 @@ class HostAgent:
         import psutil
 
         running = sum(1 for p in self.procs.values() if p.state in ("starting", "alive"))
-        cap = config.MAX_PROCS.get() or max(64, 8 * (os.cpu_count() or 1))
+        cap = config.MAX_PROCS.get() or max(256, 8 * (os.cpu_count() or 1))
         if running + n > cap:
             raise ValueError(f"cannot start {n} proc(s) on host {self.host}: it runs {running} and holds at most "
                              f"{cap} (MONARCH_KERNEL_MAX_PROCS on the agent). Ask for fewer per host, or raise "

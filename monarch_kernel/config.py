@@ -228,6 +228,9 @@ FAN_LINK = _declare("FAN_LINK", "bool", True, "an agent and its procs carry fann
                     "and output over a raw local socket (node/fanlink.py) instead of zmq", "agent")
 
 # ------------------------------------------------------------------- host agent and procs
+HOST_NAME = _declare("HOST_NAME", "str", None, "the name an agent gives its host in ranks' tables, errors and "
+                     "telemetry (default: the machine's hostname; the hosts of `%mesh connect --hosts N` are "
+                     "named `<hostname>/hosts<i>`)", "agent")
 MAX_PROCS = _declare("MAX_PROCS", "int", 0, "most procs one agent runs (0: 8 per core, at least 256)",
                      "agent", minimum=0)
 PROC_MEM_MB = _declare("PROC_MEM_MB", "float", 40.0, "memory (MB) a new proc is assumed to need when an "

@@ -100,7 +100,10 @@ class AgentHosts:
                     self.key_file, "--name", f"scale-{node}", "--lease", "120"]
             self.agents[node] = subprocess.Popen(self.net.enter(node, argv) if self.net else argv,
                                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                                 env={**self.env, "MK_SCALE_HOST": node}, cwd=str(ROOT),
+                                                 env={**self.env, "MK_SCALE_HOST": node,
+                                                      # (in a namespace it is that namespace's hostname)
+                                                      **({} if self.net else {"MONARCH_KERNEL_HOST_NAME": node})},
+                                                 cwd=str(ROOT),
                                                  text=True)
         for node in self.names:
             line = self.agents[node].stdout.readline().strip()

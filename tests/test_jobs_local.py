@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -296,6 +298,15 @@ def test_connect_hosts_makes_a_multi_host_mesh_here_that_survives_a_kernel_resta
         k.ok("%%on_mesh\nzygote")
         zygotes = k.value("list(_on_mesh.values())")
         assert len(set(zygotes)) == 2 and zygotes[0] == zygotes[1] != zygotes[2] == zygotes[3], zygotes
+        # Each host reads apart in what the user sees (all would say this machine's hostname).
+        here = socket.gethostname()
+        table = k.value("mesh._repr_html_()")
+        rows = re.findall(r"<tr><td>(\d+)</td><td>[^<]*</td><td>([^<]*)</td>", table)
+        assert rows == [("0", f"{here}/hosts0"), ("1", f"{here}/hosts0"), ("2", f"{here}/hosts1"),
+                        ("3", f"{here}/hosts1")], table
+        status = k.ok("%mesh status")
+        shown = status.stdout + status.result + "".join(str(m["content"].get("data", {})) for m in status.outputs)
+        assert f"{here}/hosts1" in shown, shown
 
         k.restart()
         r = k.ok("%mesh connect twohosts --hosts 2 --procs 2", timeout=120)

@@ -175,9 +175,10 @@ def _exercise(hm, hosts) -> None:
     fut = ranks.slice(hosts=7).nap.call(30)
     hosts.cut("n8")
     t0 = time.monotonic()
-    with pytest.raises(SupervisionError, match="host lost"):
+    with pytest.raises(SupervisionError, match="host lost") as lost:
         fut.get(20)
     assert time.monotonic() - t0 < 8.0
+    assert "(host n8" in str(lost.value), str(lost.value)   # the host by its name, either way
     assert len(ranks.slice(hosts=slice(2, 7)).where.call().get(60).values()) == 5 * PER_HOST
     hosts.cut("n8", up=True)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -56,11 +57,17 @@ class ProcessJob(JobTrait):
         agents = []
         total = sum(self._meshes.values())
         private = self._cache is None   # state(cached_path=None): nobody can re-attach
+        here = socket.gethostname()
         for mesh, n in self._meshes.items():
             for rank in range(n):
                 progress(f"starting host agent {len(agents) + 1}/{total}")
+                env = self.env
+                if total > 1 and "MONARCH_KERNEL_HOST_NAME" not in env:
+                    # Several hosts on one machine: each a name of its own in the ranks' tables,
+                    # errors and telemetry (they would all read as this machine's hostname).
+                    env = {**env, "MONARCH_KERNEL_HOST_NAME": f"{here}/{mesh}{rank}"}
                 agent, proc = start_local_agent(key, name=f"{self.name}.{mesh}.{rank}", persistent=not private,
-                                                lease=self.lease, env=self.env)
+                                                lease=self.lease, env=env)
                 self._popen.append(proc)
                 self._handle["pids"].append(agent["pid"])
                 agents.append({**agent, "mesh": mesh, "rank": rank})

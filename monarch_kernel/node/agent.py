@@ -78,7 +78,7 @@ class Proc:
 class HostAgent:
     def __init__(self, a, zygote: subprocess.Popen | None = None):
         self.name = a.name or f"agent-{os.getpid()}"
-        self.host = socket.gethostname()
+        self.host = config.HOST_NAME.get() or socket.gethostname()
         self.bind_host = a.bind
         self.key = _load_key(a)
         self.keyring = wire.Keyring()

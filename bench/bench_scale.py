@@ -4,6 +4,8 @@
 
 For each N (one host agent, N procs), JSON lines {"system", "metric", "value", "unit", "n", ...}:
   * spawn_procs_s: ``spawn_procs`` of N, an actor on each, and a first call to all answered;
+    first the largest N on the agent just started (``"zygote": "cold"``: it waits for the
+    zygote's torch import), stopped, then each N on the same agent (its zygote warm);
   * call_all_p50_us / p90: ``actors.noop.call().get()`` to all N;
   * controller_cpu_per_call_all_ms: CPU time of the controller process (all its threads)
     per call to all, over the same calls;
@@ -24,9 +26,7 @@ For each N (one host agent, N procs), JSON lines {"system", "metric", "value", "
     ipyparallel_start_s: the same broadcast with ipyparallel's DirectView
     (``apply_sync``) to N engines on this host, started and stopped by this script
     (``pip install -e .[bench]``).
-256 procs only with ``--with-256`` (heavy on a small machine; it raises the agent's proc
-cap and lowers its per-proc memory estimate to the measured ~15 MB PSS, through
-MONARCH_KERNEL_MAX_PROCS / MONARCH_KERNEL_PROC_MEM_MB). ``--hosts8``: also 256 procs as 8
+256 procs only with ``--with-256`` (heavy on a small machine: GBs of memory). ``--hosts8``: also 256 procs as 8
 hosts x 32, each host an agent in its own network namespace where root allows, else on a
 loopback port of its own (``"how"``: netns or loopback; ``MK_SCALE_HOSTS`` picks;
 tests/scale_hosts.py).
@@ -94,6 +94,17 @@ def timed_calls(fn, iters: int) -> list[float]:
     return out
 
 
+def cold_spawn(host, n: int) -> None:
+    """The first spawn on an agent that has just started: its zygote is still importing torch
+    (a script's first ``spawn_procs``; a notebook's kernel starts its agent ahead). Then
+    stopped: the figures per N that follow are taken on the warm zygote."""
+    t0 = time.perf_counter()
+    procs = host.spawn_procs(per_host={"gpus": n}, name=f"cold{n}")
+    procs.spawn("scale", ScaleBench).noop.call().get(600)
+    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=1, zygote="cold")
+    procs.stop()
+
+
 def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1, how: str | None = None) -> None:
     from monarch_kernel.core.runtime import runtime
 
@@ -103,7 +114,8 @@ def actor_api(host, n: int, per_host: int | None = None, hosts: int = 1, how: st
     actors = procs.spawn("scale", ScaleBench)
     actors.noop.call().get(600)
     where = {"how": how} if how else {}
-    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=hosts, **where)
+    emit("spawn_procs_s", time.perf_counter() - t0, "s", n=n, hosts=hosts, **where,
+         **({"zygote": "warm"} if hosts == 1 else {}))
     iters = iters_for(n)
     saved = {k: os.environ.get(k) for k in ("MONARCH_KERNEL_FANOUT_MIN", "MONARCH_KERNEL_FANOUT_TREE_WIDTH")}
     fan_min = saved["MONARCH_KERNEL_FANOUT_MIN"] or "4"
@@ -292,12 +304,10 @@ def main() -> None:
     ns = [int(x) for x in a.n.split(",") if x]
     if a.with_256 and 256 not in ns:
         ns.append(256)
-    if max(ns) > 64:   # the agent's defaults refuse this many procs on a 2-core, 24 GiB host
-        os.environ.setdefault("MONARCH_KERNEL_MAX_PROCS", str(max(ns)))
-        os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     emit("load_average_1m_at_start", os.getloadavg()[0], "", note="shared machine: figures are noisy")
     host = this_host()
     try:
+        cold_spawn(host, max(ns))
         for n in ns:
             actor_api(host, n)
     finally:

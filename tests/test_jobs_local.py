@@ -290,6 +290,12 @@ def test_connect_hosts_makes_a_multi_host_mesh_here_that_survives_a_kernel_resta
 
     k = KernelHarness(env={"MONARCH_KERNEL_NO_TORCH": "1"})
     try:
+        # More hosts than the machine holds (--hosts typed for --procs): refused before any starts.
+        r = k.run("%mesh connect typo --hosts 100000 --procs 1", timeout=60)
+        said = r.stdout + r.stderr + str(r.error)
+        assert "100000 hosts on this machine need about 20,000,000 MB" in said and "Ask for fewer hosts" in said, said
+        kernel = k.value("__import__('os').getpid()")
+        assert not home_processes(k.home) - {kernel}, "agents were started for a refused --hosts"
         r = k.ok("%mesh connect twohosts --hosts 2 --procs 2", timeout=120)
         assert "mesh 'twohosts': 4 procs (hosts=2, gpus=2) on process job" in r.stdout, r.stdout
         r = k.ok("%%on_mesh\nimport os\nzygote = os.getppid()\nprint('up')")

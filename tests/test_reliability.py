@@ -328,6 +328,8 @@ def test_256_procs_on_one_host_need_no_setting_and_each_starts_well_under_the_me
         assert len(set(pids)) == 256
         own_mb = [psutil.Process(p).memory_full_info().uss / 2**20 for p in pids[::32]]
         assert max(own_mb) < config.PROC_MEM_MB.default / 2, own_mb
+        table = pm._repr_html_()   # one row: ranks 0-255 on one host, alive (not 256 rows)
+        assert table.count("<tr><td>") == 1 and "<td>0-255</td><td>gpus=0-255</td>" in table, table
         pm.stop()
         assert _agent_children(hm) == 0
     finally:

@@ -140,6 +140,10 @@ def _exercise(hm, hosts) -> None:
     assert [h for h, _, _ in where] == [f"n{1 + r // PER_HOST}" for r in range(N)]   # rank order = host order
     if hosts.mode == "netns":   # a host of its own: its hostname too
         assert [name for _, _, name in where] == [h for h, _, _ in where]
+    # What the notebook shows of them: a row a host (its 32 ranks alike), not 256 rows.
+    rows = re.findall(r"<tr><td>([\d-]+)</td><td>[^<]*</td><td>([^<]*)</td>", pm._repr_html_())
+    assert rows == [(f"{32 * h}-{32 * h + 31}", f"n{h + 1}") for h in range(HOSTS)], rows
+    assert "n1, n2, n3, … (8 in all)" in ranks._repr_html_()
     # The 8 hosts in a tree of width 2 (relays forward to their child agents over tcp + CURVE
     # and merge their batches): the same 256 answers, in rank order.
     os.environ["MONARCH_KERNEL_FANOUT_TREE_WIDTH"] = "2"

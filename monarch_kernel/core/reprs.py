@@ -4,6 +4,7 @@ from __future__ import annotations
 import html
 
 from .mesh import state_of, view_of
+from .mesh_tables import rank_rows
 from .runtime import runtime
 
 
@@ -14,15 +15,25 @@ def _table(head: list[str], rows: list[list]) -> str:
 
 
 def proc_mesh_html(pm) -> str:
+    """Rank, coords, host, pid, state; past 32 ranks the neighbours on one host in one state
+    share a row (core/mesh_tables.py)."""
     st, view = state_of(pm), view_of(pm)
     dead = runtime().dead
-    rows = []
+    ranks, coords, cells, pids = [], [], [], []
     for i, point in enumerate(view.points()):
         ref = st.procs[view.ranks[i]]
-        state = "stopped" if st.stopped else ("dead" if ref.key in dead else "alive")
-        rows.append([ref.rank, ", ".join(f"{k}={v}" for k, v in point.coords.items()), ref.host, ref.pid, state])
+        ranks.append(ref.rank)
+        coords.append(point.coords)
+        cells.append((ref.host, "stopped" if st.stopped else ("dead" if ref.key in dead else "alive")))
+        pids.append(ref.pid)
+    rows, note = rank_rows(ranks, coords, cells, pids)
+    labels = list(coords[0]) if coords else []
+    d = 1 + len(labels)   # a row: rank, the coords, the pid (span), host, state
+    rows = [[row[0], ", ".join(f"{k}={v}" for k, v in zip(labels, row[1:d]) if v), row[d + 1], row[d], row[d + 2]]
+            for row in rows]
     title = f"<b>ProcMesh</b> '{html.escape(st.name)}' ({html.escape(view.describe())})"
-    return f"<div>{title}{_table(['rank', 'coords', 'host', 'pid', 'state'], rows)}</div>"
+    note = f"<div>{html.escape(note)} (<code>%mesh status</code> lists each)</div>" if note else ""
+    return f"<div>{title}{_table(['rank', 'coords', 'host', 'pid', 'state'], rows)}{note}</div>"
 
 
 def actor_mesh_html(am) -> str:
@@ -39,12 +50,19 @@ def actor_mesh_html(am) -> str:
             ("endpoints", html.escape(", ".join(sorted(st.endpoints)) or "none")),
             ("ranks", f"{html.escape(_ranges([r.rank for r in refs]))} ({html.escape(view.describe())})"),
             ("on", f"ProcMesh '{html.escape(ps.name)}' (host{'s' if len(hosts) != 1 else ''} "
-                   f"{html.escape(', '.join(hosts))})"),
+                   f"{html.escape(_some(hosts))})"),
             ("state", html.escape(state))]
     body = "".join(f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{v}</td></tr>"
                    for k, v in rows)
     return (f"<div><b>ActorMesh</b> '{html.escape(st.name)}': {len(refs)} "
             f"actor{'s' if len(refs) != 1 else ''}<table>{body}</table></div>")
+
+
+def _some(names: list[str], most: int = 4) -> str:
+    """'a, b, c' or, for many, 'a, b, c, … (256 in all)'."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return ", ".join(names[:most - 1]) + f", … ({len(names)} in all)"
 
 
 def _ranges(ranks) -> str:

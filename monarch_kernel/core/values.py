@@ -5,6 +5,7 @@ import html
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
+from .mesh_tables import rank_rows
 from .shape import Extent, Point
 
 T = TypeVar("T")
@@ -92,15 +93,22 @@ class ValueMesh(Generic[T]):
 
     def _repr_html_(self):
         # the same columns as a %%on_mesh cell's ValueMesh: rank, each dim, value
-        labels = list(self._extent.labels)
-        head = "<th>rank</th>" + "".join(f"<th>{html.escape(k)}</th>" for k in labels) + "<th>value</th>"
-        rows = []
-        for p, v in self.items():
-            cells = f"<td>{p.rank}</td>" + "".join(f"<td>{c}</td>" for c in p.coords.values())
-            rows.append(f"<tr>{cells}<td><code>{html.escape(repr(v))}</code></td></tr>")
-        dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
-        return (f"<div><b>ValueMesh</b> ({html.escape(dims)})<table><tr>{head}</tr>"
-                + "".join(rows) + "</table></div>")
+        return values_html(self._extent, range(len(self._values)), self._values)
+
+
+def values_html(extent: Extent, ranks, values) -> str:
+    """A table of ``values`` (rank, each dim, value), read at any size (core/mesh_tables.py):
+    past 32 ranks, neighbours with the same value share a row."""
+    labels = list(extent.labels)
+    points = [Point(i, extent).coords for i in range(len(values))]
+    rows, note = rank_rows(list(ranks), points, [(repr(v),) for v in values])
+    head = "<th>rank</th>" + "".join(f"<th>{html.escape(k)}</th>" for k in labels) + "<th>value</th>"
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row[:-1])
+                   + (f"<td><code>{html.escape(row[-1])}</code></td>" if row[-1] else "<td></td>") + "</tr>"
+                   for row in rows)
+    dims = ", ".join(f"{k}={v}" for k, v in extent.items())
+    note = f"<div>{html.escape(note)} (<code>.values()</code> has every rank's)</div>" if note else ""
+    return f"<div><b>ValueMesh</b> ({html.escape(dims)})<table><tr>{head}</tr>{body}</table>{note}</div>"
 
 
 def _coord(p: Point) -> str:

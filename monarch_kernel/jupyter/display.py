@@ -8,8 +8,9 @@ from __future__ import annotations
 import html
 
 from ..core.errors import MonarchError
+from ..core.mesh_tables import GAP, rank_rows
 from ..core.shape import Extent
-from ..core.values import ValueMesh
+from ..core.values import ValueMesh, values_html
 
 
 def rank_ranges(ranks) -> str:
@@ -41,23 +42,19 @@ class CellValues(ValueMesh):
     def __repr__(self):
         dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
         lines = [f"ValueMesh({dims})"]
-        for r, v in zip(self.ranks, self._values, strict=False):
-            lines.append(f"  rank {r}: {v!r}")
+        coords = [{} for _ in self._values]   # (the text form names ranks only)
+        rows, note = rank_rows(list(self.ranks), coords, [(repr(v),) for v in self._values])
+        for rank, value in rows:
+            lines.append(f"  {GAP}" if rank == GAP else f"  rank{'s' if '-' in rank else ''} {rank}: {value}")
+        if note:
+            lines.append(f"  ({note}; .values() has every rank's)")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle):
         p.text(repr(self))
 
     def _repr_html_(self):
-        labels = list(self._extent.labels)
-        head = "<th>rank</th>" + "".join(f"<th>{html.escape(k)}</th>" for k in labels) + "<th>value</th>"
-        rows = []
-        for (p, v), r in zip(self.items(), self.ranks, strict=False):
-            cells = "".join(f"<td>{c}</td>" for c in p.coords.values())
-            rows.append(f"<tr><td>{r}</td>{cells}<td><code>{html.escape(repr(v))}</code></td></tr>")
-        dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
-        return (f"<div><b>ValueMesh</b> ({html.escape(dims)})<table><tr>{head}</tr>"
-                + "".join(rows) + "</table></div>")
+        return values_html(self._extent, self.ranks, self._values)
 
 
 class MeshCellError(MonarchError):

@@ -1,0 +1,50 @@
+"""The rows of a table of a mesh's ranks (a ValueMesh, a cell's values, a ProcMesh), readable
+at hundreds of ranks.
+
+Up to ``BIG_TABLE`` ranks every rank has its row, as always. Past that, neighbouring ranks
+whose cells read the same share one row (``0-255 | 0-7 | 0-31 | None``: the ranks and each
+coordinate as ranges), as identical output lines already do, and at most ``HEAD_ROWS`` +
+``TAIL_ROWS`` rows are shown, the first and the last, with a note saying what was left out
+(a 256-rank result of distinct values was 256 rows in the notebook).
+"""
+from __future__ import annotations
+
+BIG_TABLE = 32               # ranks before neighbours that read alike share a row
+HEAD_ROWS, TAIL_ROWS = 24, 8  # rows shown of a longer table: its first and its last
+GAP = "…"
+
+
+def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: list | None = None
+              ) -> tuple[list[list[str]], str]:
+    """``[rank, coord..., span?, cell...]`` rows and a note ('' when every rank has a row of
+    its own). ``cells``: what a row shows per rank (equal tuples of neighbours merge);
+    ``spans`` (optional, e.g. pids): per-rank text that differs anyway, shown as
+    ``first…last`` on a merged row."""
+    n = len(ranks)
+    groups: list[list[int]] = []
+    for i in range(n):
+        last = groups[-1] if groups else None
+        if (n > BIG_TABLE and last is not None and cells[i] == cells[last[1]]
+                and ranks[i] == ranks[last[1]] + 1):
+            last[1] = i
+        else:
+            groups.append([i, i])
+    rows = []
+    for a, b in groups:
+        row = [str(ranks[a]) if a == b else f"{ranks[a]}-{ranks[b]}"]
+        for k in coords[a]:
+            seen = [c[k] for c in coords[a:b + 1]]
+            lo, hi = min(seen), max(seen)
+            row.append(str(lo) if lo == hi else f"{lo}-{hi}")
+        if spans is not None:
+            row.append(str(spans[a]) if a == b else f"{spans[a]}{GAP}{spans[b]}")
+        row.extend(str(c) for c in cells[a])
+        rows.append(row)
+    notes = []
+    if len(groups) < n:
+        notes.append(f"{n} ranks: neighbours that read alike share a row")
+    if len(rows) > HEAD_ROWS + TAIL_ROWS:
+        left_out = len(rows) - HEAD_ROWS - TAIL_ROWS
+        rows = rows[:HEAD_ROWS] + [[GAP] + [""] * (len(rows[0]) - 1)] + rows[-TAIL_ROWS:]
+        notes.append(f"{left_out} rows not shown")
+    return rows, "; ".join(notes)

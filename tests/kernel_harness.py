@@ -161,12 +161,15 @@ class KernelHarness:
         self._client()
 
     def close(self, stop_meshes: tuple[str, ...] = ()) -> None:
+        kernel_pid = getattr(self.km.provisioner, "pid", None)
         try:
             for name in stop_meshes:
                 self.run(f"%mesh stop {name}", timeout=30)
         finally:
             self.kc.stop_channels()
             self.km.shutdown_kernel(now=False)
+        if kernel_pid:   # ipykernel's own folder of cells dumped for a debugger (JupyterLab's does)
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), f"ipykernel_{kernel_pid}"), ignore_errors=True)
         deadline = time.monotonic() + 8
         left = home_processes(self.home)
         while left and time.monotonic() < deadline:

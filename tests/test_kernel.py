@@ -1,8 +1,6 @@
 """%mesh and %%on_mesh through a real Monarch kernel (jupyter_client) and a real 4-proc mesh."""
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 
 import pytest
@@ -75,10 +73,10 @@ def test_output_is_labelled_by_rank_and_ordered(k):
 
 
 @pytest.mark.parametrize("flag", ["--stream", ""])
-def test_output_streams_while_the_cell_runs(k, flag):
+def test_output_streams_while_the_cell_runs(k, flag, tmp_path):
     """The cell waits for a file the test creates only after it saw the cell's output:
     if output were held until the cell ends, this would time out."""
-    flag_file = os.path.join(tempfile.mkdtemp(), "go")
+    flag_file = str(tmp_path / "go")
     code = (f"%%on_mesh --ranks 0 {flag}\nimport os, time\nprint('waiting', flush=True)\n"
             f"t = time.time()\nwhile not os.path.exists({flag_file!r}) and time.time() - t < 30:\n"
             "    time.sleep(0.02)\nos.path.exists(" + repr(flag_file) + ")")

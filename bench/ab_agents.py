@@ -67,8 +67,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60, help="calls to all a round")
     a = ap.parse_args()
     settings = {"a": setting(a.a), "b": setting(a.b)}
-    os.environ.setdefault("MONARCH_KERNEL_MAX_PROCS", str(max(64, a.n)))
-    os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     emit(what="ab_agents", n=a.n, a=a.a, b=a.b, load=os.getloadavg()[0], cores=os.cpu_count())
     key = os.urandom(32)
     started, meshes, pids_of = [], {}, {}

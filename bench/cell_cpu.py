@@ -146,9 +146,6 @@ def main() -> None:
     ap.add_argument("--cell", default="", help="the whole cell instead (e.g. a plain call to compare)")
     ap.add_argument("--profile", choices=("", "kernel", "proc"), default="")
     a = ap.parse_args()
-    if a.n > 64:
-        os.environ.setdefault("MONARCH_KERNEL_MAX_PROCS", str(a.n))
-        os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     cell = a.cell or f"%%on_mesh {a.options}".rstrip() + "\n" + a.code
     trees: list[Tree] = []
     try:

@@ -89,9 +89,6 @@ def main() -> None:
     ap.add_argument("--code", default="%%on_mesh\nx = 1")
     ap.add_argument("--setup", default="")
     a = ap.parse_args()
-    if a.n > 64:
-        os.environ.setdefault("MONARCH_KERNEL_MAX_PROCS", str(a.n))
-        os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     from dateutil.parser import isoparse
 
     t = Tree(str(Path(__file__).resolve().parents[1]), a.n, "t0")

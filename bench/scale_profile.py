@@ -134,8 +134,6 @@ def main() -> None:
     ap.add_argument("--modes", default="fan,dir")
     ap.add_argument("--idle-s", type=float, default=2.0)
     a = ap.parse_args()
-    os.environ.setdefault("MONARCH_KERNEL_MAX_PROCS", str(max(64, a.n)))
-    os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     emit(what="load_average", value=os.getloadavg(), cores=os.cpu_count())
     host = this_host()
     try:

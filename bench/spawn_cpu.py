@@ -117,8 +117,6 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=1)
     a = ap.parse_args()
-    os.environ.setdefault("MONARCH_KERNEL_MAX_PROCS", str(max(64, a.n)))
-    os.environ.setdefault("MONARCH_KERNEL_PROC_MEM_MB", "40")
     load0 = os.getloadavg()[0]
     c0, t0 = time.process_time(), time.perf_counter()
     host = this_host()

@@ -26,11 +26,10 @@ def proc_mesh_html(pm) -> str:
         coords.append(point.coords)
         cells.append((ref.host, "stopped" if st.stopped else ("dead" if ref.key in dead else "alive")))
         pids.append(ref.pid)
-    rows, note = rank_rows(ranks, coords, cells, pids)
     labels = list(coords[0]) if coords else []
-    d = 1 + len(labels)   # a row: rank, the coords, the pid (span), host, state
-    rows = [[row[0], ", ".join(f"{k}={v}" for k, v in zip(labels, row[1:d]) if v), row[d + 1], row[d], row[d + 2]]
-            for row in rows]
+    merged, note = rank_rows(ranks, coords, cells, pids)
+    rows = [[rank, ", ".join(f"{k}={v}" for k, v in zip(labels, where) if v), host, pid, state]
+            for rank, *where, pid, host, state in merged]
     title = f"<b>ProcMesh</b> '{html.escape(st.name)}' ({html.escape(view.describe())})"
     note = f"<div>{html.escape(note)} (<code>%mesh status</code> lists each)</div>" if note else ""
     return f"<div>{title}{_table(['rank', 'coords', 'host', 'pid', 'state'], rows)}{note}</div>"

@@ -50,3 +50,14 @@ def test_a_cells_values_text_names_rank_runs_and_keeps_the_mesh_ranks():
     assert text.splitlines() == ["ValueMesh(gpus=64)", "  ranks 100-162: 'ok'", "  rank 163: 'slow'",
                                  "  (64 ranks: neighbours that read alike share a row; .values() has every rank's)"]
     assert repr(CellValues(Extent(("gpus",), (2,)), [1, 1])) == "ValueMesh(gpus=2)\n  rank 0: 1\n  rank 1: 1"
+
+
+def test_a_value_meshs_one_line_text_stays_short_at_256_ranks():
+    odd = repr(ValueMesh(EIGHT_BY_32, [None] * 255 + ["diverged"]))
+    assert odd == ("ValueMesh(hosts=8, gpus=32) {ranks 0-254: None, rank 255: 'diverged'} "
+                   "(256 ranks: neighbours that read alike share an entry; .values() has every rank's)")
+    distinct = repr(ValueMesh(EIGHT_BY_32, list(range(256))))
+    assert distinct.count("rank ") == HEAD_ROWS + TAIL_ROWS and "rank 23: 23, …, rank 248: 248" in distinct
+    assert distinct.endswith(f"({256 - HEAD_ROWS - TAIL_ROWS} entries not shown; .values() has every rank's)")
+    small = repr(ValueMesh(Extent(("gpus",), (BIG_TABLE,)), [None] * BIG_TABLE))   # a member each, as before
+    assert small.count(": None") == BIG_TABLE and small.startswith("ValueMesh(gpus=32) {gpus=0: None, gpus=1: None")

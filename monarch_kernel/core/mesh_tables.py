@@ -14,12 +14,12 @@ HEAD_ROWS, TAIL_ROWS = 24, 8  # rows shown of a longer table: its first and its 
 GAP = "…"
 
 
-def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: list | None = None
-              ) -> tuple[list[list[str]], str]:
+def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: list | None = None,
+              unit: tuple[str, str] = ("a row", "rows")) -> tuple[list[list[str]], str]:
     """``[rank, coord..., span?, cell...]`` rows and a note ('' when every rank has a row of
     its own). ``cells``: what a row shows per rank (equal tuples of neighbours merge);
     ``spans`` (optional, e.g. pids): per-rank text that differs anyway, shown as
-    ``first…last`` on a merged row."""
+    ``first…last`` on a merged row; ``unit``: what the note calls a row (one, many)."""
     n = len(ranks)
     groups: list[list[int]] = []
     for i in range(n):
@@ -42,9 +42,9 @@ def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: l
         rows.append(row)
     notes = []
     if len(groups) < n:
-        notes.append(f"{n} ranks: neighbours that read alike share a row")
+        notes.append(f"{n} ranks: neighbours that read alike share {unit[0]}")
     if len(rows) > HEAD_ROWS + TAIL_ROWS:
         left_out = len(rows) - HEAD_ROWS - TAIL_ROWS
         rows = rows[:HEAD_ROWS] + [[GAP] + [""] * (len(rows[0]) - 1)] + rows[-TAIL_ROWS:]
-        notes.append(f"{left_out} rows not shown")
+        notes.append(f"{left_out} {unit[1]} not shown")
     return rows, "; ".join(notes)

@@ -5,7 +5,7 @@ import html
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from .mesh_tables import rank_rows
+from .mesh_tables import BIG_TABLE, GAP, rank_rows
 from .shape import Extent, Point
 
 T = TypeVar("T")
@@ -87,9 +87,19 @@ class ValueMesh(Generic[T]):
         return (ValueMesh, (self._extent, self._values))
 
     def __repr__(self):
+        """One line: every member's coordinates and value up to 32 members; past that, as
+        the table does (core/mesh_tables.py), neighbouring ranks with the same value share
+        an entry (``ranks 0-254: None, rank 255: 'diverged'``) and at most 32 entries show."""
         dims = ", ".join(f"{k}={v}" for k, v in self._extent.items())
-        body = ", ".join(f"{_coord(p)}: {v!r}" for p, v in self.items())
-        return f"ValueMesh({dims}) {{{body}}}"
+        if len(self._values) <= BIG_TABLE:
+            body = ", ".join(f"{_coord(p)}: {v!r}" for p, v in self.items())
+            return f"ValueMesh({dims}) {{{body}}}"
+        n = len(self._values)
+        rows, note = rank_rows(list(range(n)), [{}] * n, [(repr(v),) for v in self._values],
+                               unit=("an entry", "entries"))
+        body = ", ".join(GAP if rank == GAP else f"rank{'s' if '-' in rank else ''} {rank}: {value}"
+                         for rank, value in rows)
+        return f"ValueMesh({dims}) {{{body}}} ({note}; .values() has every rank's)"
 
     def _repr_html_(self):
         # the same columns as a %%on_mesh cell's ValueMesh: rank, each dim, value

@@ -94,3 +94,35 @@ def test_cells_table_records_each_rank_s_cells_and_failures(k):
     assert sorted((r[0], r[2]) for r in rows[-2:]) == [(0, 1), (1, 0)]   # the failing cell: rank 1 not ok
     assert sorted((r[0], r[2]) for r in rows[:2]) == [(0, 1), (1, 1)]
     assert all(r[1].endswith("on mesh>") for r in rows)
+
+
+TOP_VIEW = "[v for v in __import__('monarch_kernel.telemetry.top').telemetry.top.SHOWN if v.open][-1]"
+
+
+def test_top_on_40_ranks_has_a_row_a_host_and_the_dead_rank_apart_and_all_on_asking():
+    """Past 32 ranks a row a rank is a page of bars redrawn each second (256 ranks: 256 rows):
+    the view has a row a host, then each dead or paused rank; ``--all`` keeps a row a rank."""
+    import os
+    import signal
+    import socket
+
+    with kernel_with_mesh("kt-top-big", "--hosts 2 --procs 20") as k:
+        k.ok("%mesh top")
+        html = k.value(f"{TOP_VIEW}.html()")
+        assert html.count("monarch-top-host") == 2 and "monarch-top-row" not in html
+        assert "20 idle" in html and "0-19" in html and "20-39" in html and "%mesh top --all</code>" in html
+        os.kill(k.value("mesh.procs()[25].pid"), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while "dead" not in k.value(f"{TOP_VIEW}.text()") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        text = k.value(f"{TOP_VIEW}.text()").splitlines()
+        assert text[0].startswith("mesh kt-top-big · 40 procs · 1 dead · CPU")
+        host = socket.gethostname()
+        assert [line.split()[:3] for line in text[2:4]] == [[f"{host}/hosts0", "0-19", "20"],
+                                                            [f"{host}/hosts1", "20-39", "19"]]
+        assert "1 dead" in text[3] and "ranks to look at:" in text
+        assert text[text.index("ranks to look at:") + 2].split()[:3] == ["25", f"{host}/hosts1", "dead"]
+        k.ok(f"{TOP_VIEW}.close()")
+        k.ok("%mesh top --all")
+        assert k.value(f"{TOP_VIEW}.html()").count("monarch-top-row") == 40
+        k.ok(f"{TOP_VIEW}.close()")

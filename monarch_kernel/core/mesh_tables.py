@@ -48,3 +48,15 @@ def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: l
         rows = rows[:HEAD_ROWS] + [[GAP] + [""] * (len(rows[0]) - 1)] + rows[-TAIL_ROWS:]
         notes.append(f"{left_out} {unit[1]} not shown")
     return rows, "; ".join(notes)
+
+
+def ranges(ranks) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (ranks in order, runs as first-last)."""
+    ranks, parts, i = sorted(ranks), [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(parts)

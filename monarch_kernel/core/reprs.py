@@ -4,7 +4,7 @@ from __future__ import annotations
 import html
 
 from .mesh import state_of, view_of
-from .mesh_tables import rank_rows
+from .mesh_tables import ranges, rank_rows
 from .runtime import runtime
 
 
@@ -43,11 +43,11 @@ def actor_mesh_html(am) -> str:
     dead = runtime().dead
     refs = [ps.procs[r] for r in view.ranks]
     gone = [r.rank for r in refs if r.key in dead]
-    state = "stopped" if st.stopped or ps.stopped else (f"alive; dead: {_ranges(gone)}" if gone else "alive")
+    state = "stopped" if st.stopped or ps.stopped else (f"alive; dead: {ranges(gone)}" if gone else "alive")
     hosts = sorted({r.host for r in refs})
     rows = [("class", f"<code>{html.escape(st.class_name)}</code>"),
             ("endpoints", html.escape(", ".join(sorted(st.endpoints)) or "none")),
-            ("ranks", f"{html.escape(_ranges([r.rank for r in refs]))} ({html.escape(view.describe())})"),
+            ("ranks", f"{html.escape(ranges([r.rank for r in refs]))} ({html.escape(view.describe())})"),
             ("on", f"ProcMesh '{html.escape(ps.name)}' (host{'s' if len(hosts) != 1 else ''} "
                    f"{html.escape(_some(hosts))})"),
             ("state", html.escape(state))]
@@ -62,18 +62,6 @@ def _some(names: list[str], most: int = 4) -> str:
     if len(names) <= most:
         return ", ".join(names)
     return ", ".join(names[:most - 1]) + f", … ({len(names)} in all)"
-
-
-def _ranges(ranks) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    ranks, parts, i = sorted(ranks), [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def host_mesh_html(hm) -> str:

@@ -8,22 +8,15 @@ from __future__ import annotations
 import html
 
 from ..core.errors import MonarchError
-from ..core.mesh_tables import GAP, rank_rows
+from ..core.mesh_tables import GAP, ranges, rank_rows
 from ..core.shape import Extent
 from ..core.values import ValueMesh, values_html
 
 
 def rank_ranges(ranks) -> str:
     """[0, 1, 2, 3, 5] -> 'ranks 0-3,5'; [2] -> 'rank 2'."""
-    ranks = sorted(ranks)
-    parts, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ranges(ranks)
 
 
 class CellValues(ValueMesh):

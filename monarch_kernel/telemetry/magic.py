@@ -69,8 +69,10 @@ def logs(ctx, args):
 
 
 TOP = mesh_parser("top", "a live view of each rank's CPU, memory, GPU and state, refreshed until closed",
-                  usage="%mesh top [--interval S]")
+                  usage="%mesh top [--interval S] [--all]")
 TOP.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (at least 1)")
+TOP.add_argument("--all", action="store_true", dest="all_ranks",
+                 help="a row a rank also past 32 ranks (there the view has a row a host, and the dead or paused ranks)")
 
 
 @mesh_command(TOP)
@@ -80,7 +82,7 @@ def top(ctx, args):
         raise ValueError(f"--interval must be at least 1 second, got {args.interval}")
     from .top import MeshTop
 
-    view = MeshTop(procs, ctx.session.name or procs.name, args.interval)
+    view = MeshTop(procs, ctx.session.name or procs.name, args.interval, args.all_ranks)
     if getattr(ctx.shell, "kernel", None) is None:   # a terminal: print one frame
         print(view.text())
         return None

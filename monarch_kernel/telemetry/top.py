@@ -6,6 +6,11 @@ a cell), so the view keeps moving while other cells run. It refreshes on its own
 (widget updates go out on iopub, which ipykernel allows from any thread). Closed, or
 after ``MAX_RUN_S``, it stops and leaves one plain text line behind, which is also what a
 saved notebook shows in place of the widget.
+
+Past ``BIG_TABLE`` ranks (core/mesh_tables.py) a row a rank is a page of bars redrawn every
+second; there the view has a row a host (its ranks, how many in each state, CPU mean and
+busiest rank, memory total and largest rank) and then a row for each rank to look at (dead
+or paused), as the Mesh panel does; ``%mesh top --all`` keeps a row a rank.
 """
 from __future__ import annotations
 
@@ -14,14 +19,16 @@ import threading
 import time
 import weakref
 
+from ..core.mesh_tables import BIG_TABLE, ranges
+
 MAX_RUN_S = 3600.0
 BAR_W = 120
 SHOWN: weakref.WeakSet = weakref.WeakSet()   # the views shown in this kernel (tests look at them)
 
 
 class MeshTop:
-    def __init__(self, procs, name: str, interval: float = 1.0):
-        self.procs, self.name, self.interval = procs, name, interval
+    def __init__(self, procs, name: str, interval: float = 1.0, all_ranks: bool = False):
+        self.procs, self.name, self.interval, self.all_ranks = procs, name, interval, all_ranks
         self.tel = procs.telemetry
         self.rows: list[dict] = []
         self.updates = 0
@@ -52,24 +59,75 @@ class MeshTop:
         extra = "".join([f" · {dead} dead" if dead else "", f" · {paused} paused" if paused else ""])
         return f"mesh {self.name} · {len(rows)} procs{extra} · CPU {cpu:.0f}% · RSS {mem:.0f} MiB"
 
+    @property
+    def per_host(self) -> bool:
+        """A row a host rather than a rank (see the module docstring)."""
+        return not self.all_ranks and len(self.rows) > BIG_TABLE
+
     def text(self) -> str:
         if not self.rows:
             self.refresh()
         gpu = self.tel.has_gpu()
+        lines = [self.summary()]
+        if self.per_host:
+            head = ["host", "ranks", "states", "cpu % mean", "busiest", "rss MiB", "largest"] + (
+                ["gpu % mean"] if gpu else [])
+            body = [[h["host"], h["ranks"], h["states"], _num(h["cpu_mean"]), h["cpu_top"], _num(h["rss_total"]),
+                     h["rss_top"]] + ([_num(h["gpu_mean"])] if gpu else []) for h in host_rows(self.rows)]
+            lines += _columns(head, body)
+            look = attention(self.rows)
+            if look:
+                lines += ["", "ranks to look at:"] + _columns(*self._rank_table(look, gpu))
+            lines.append(f"({len(self.rows)} ranks, a row a host: %mesh top --all for a row a rank)")
+            return "\n".join(lines)
+        return "\n".join(lines + _columns(*self._rank_table(self.rows, gpu)))
+
+    @staticmethod
+    def _rank_table(rows: list[dict], gpu: bool) -> tuple[list[str], list[list[str]]]:
         head = ["rank", "host", "state", "cpu %", "rss MiB"] + (["gpu %", "gpu MiB"] if gpu else [])
         body = [[str(r["rank"]), r["host"], r["state"], _num(r["cpu"]), _num(r["rss_mb"])]
-                + ([_num(r["gpu_util"]), _num(r["gpu_mem_mb"])] if gpu else []) for r in self.rows]
-        widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in [head, *body]]
-        return "\n".join([self.summary(), *lines])
+                + ([_num(r["gpu_util"]), _num(r["gpu_mem_mb"])] if gpu else []) for r in rows]
+        return head, body
 
     def html(self) -> str:
         gpu = self.tel.has_gpu()
-        mem_scale = max([r["rss_mb"] or 0 for r in self.rows] + [1.0])
+        if self.per_host:
+            look = attention(self.rows)
+            tables = (self._hosts_html(gpu) + (f"<div style='margin-top:6px'>ranks to look at:</div>"
+                                               f"{self._ranks_html(look, gpu)}" if look else "")
+                      + f"<div style='color:#777;font-size:85%'>{len(self.rows)} ranks, a row a host: "
+                        f"<code>%mesh top --all</code> for a row a rank</div>")
+        else:
+            tables = self._ranks_html(self.rows, gpu)
+        return (f"<div class='monarch-top'><b>{html.escape(self.summary())}</b>{tables}"
+                f"<div style='color:#777;font-size:85%'>update {self.updates}, every {self.interval:g} s</div></div>")
+
+    def _hosts_html(self, gpu: bool) -> str:
+        hosts = host_rows(self.rows)
+        mem_scale = max([h["rss_total"] or 0 for h in hosts] + [1.0])
+        head = "".join(f"<th style='text-align:left;padding-right:12px'>{h}</th>" for h in
+                       ["host", "ranks", "states", "CPU (mean, busiest)", "memory (total, largest)"]
+                       + (["GPU (mean)"] if gpu else []))
+        body = []
+        for h in hosts:
+            color = "#c62828" if "dead" in h["states"] else "#ef8f00" if "paused" in h["states"] else ""
+            cells = [html.escape(h["host"]), h["ranks"],
+                     f"<span style='color:{color}'>{html.escape(h['states'])}</span>",
+                     _bar(h["cpu_mean"], 100.0, f"{_num(h['cpu_mean'])}%, {h['cpu_top']}"),
+                     _bar(h["rss_total"], mem_scale, f"{_num(h['rss_total'])} MiB, {h['rss_top']}")]
+            if gpu:
+                cells.append(_bar(h["gpu_mean"], 100.0, f"{_num(h['gpu_mean'])}%"))
+            body.append("<tr class='monarch-top-host'>" + "".join(f"<td style='padding-right:12px'>{c}</td>"
+                                                                   for c in cells) + "</tr>")
+        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+    @staticmethod
+    def _ranks_html(rows: list[dict], gpu: bool) -> str:
+        mem_scale = max([r["rss_mb"] or 0 for r in rows] + [1.0])
         head = "".join(f"<th style='text-align:left;padding-right:12px'>{h}</th>" for h in
                        ["rank", "host", "state", "CPU", "memory"] + (["GPU", "GPU memory"] if gpu else []))
         body = []
-        for r in self.rows:
+        for r in rows:
             color = "#c62828" if r["state"] == "dead" else "#ef8f00" if r["state"].startswith("paused") else ""
             cells = [str(r["rank"]), html.escape(r["host"]),
                      f"<span style='color:{color}'>{html.escape(r['state'])}</span>",
@@ -77,13 +135,11 @@ class MeshTop:
                      _bar(r["rss_mb"], mem_scale, f"{_num(r['rss_mb'])} MiB")]
             if gpu:
                 cells += [_bar(r["gpu_util"], 100.0, f"{_num(r['gpu_util'])}%"),
-                          _bar(r["gpu_mem_mb"], max([x["gpu_mem_mb"] or 0 for x in self.rows] + [1.0]),
+                          _bar(r["gpu_mem_mb"], max([x["gpu_mem_mb"] or 0 for x in rows] + [1.0]),
                                f"{_num(r['gpu_mem_mb'])} MiB")]
             body.append("<tr class='monarch-top-row'>" + "".join(f"<td style='padding-right:12px'>{c}</td>"
                                                                   for c in cells) + "</tr>")
-        return (f"<div class='monarch-top'><b>{html.escape(self.summary())}</b>"
-                f"<table><tr>{head}</tr>{''.join(body)}</table>"
-                f"<div style='color:#777;font-size:85%'>update {self.updates}, every {self.interval:g} s</div></div>")
+        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
     # ---------------------------------------------------------------- the widget
     def show(self) -> None:
@@ -131,6 +187,43 @@ class MeshTop:
             self.box.close()
         except Exception:
             pass
+
+
+def host_rows(rows: list[dict]) -> list[dict]:
+    """A row a host, in the order its first rank comes: its ranks (as ranges), its ranks per
+    state (``30 idle · 2 dead``), CPU mean and busiest rank, memory total and largest rank."""
+    by_host: dict[str, list[dict]] = {}
+    for r in rows:
+        by_host.setdefault(r["host"], []).append(r)
+    out = []
+    for host, rs in by_host.items():
+        states: dict[str, int] = {}
+        for r in rs:
+            states[r["state"]] = states.get(r["state"], 0) + 1
+        cpu = [r for r in rs if r["cpu"] is not None]
+        rss = [r for r in rs if r["rss_mb"] is not None]
+        gpu = [r["gpu_util"] for r in rs if r["gpu_util"] is not None]
+        busiest = max(cpu, key=lambda r: r["cpu"], default=None)
+        largest = max(rss, key=lambda r: r["rss_mb"], default=None)
+        out.append({
+            "host": host, "ranks": ranges(r["rank"] for r in rs),
+            "states": " · ".join(f"{n} {st}" for st, n in sorted(states.items(), key=lambda kv: -kv[1])),
+            "cpu_mean": sum(r["cpu"] for r in cpu) / len(cpu) if cpu else None,
+            "cpu_top": f"rank {busiest['rank']} {_num(busiest['cpu'])}%" if busiest else "",
+            "rss_total": sum(r["rss_mb"] for r in rss) if rss else None,
+            "rss_top": f"rank {largest['rank']} {_num(largest['rss_mb'])} MiB" if largest else "",
+            "gpu_mean": sum(gpu) / len(gpu) if gpu else None})
+    return out
+
+
+def attention(rows: list[dict]) -> list[dict]:
+    """The ranks a per-host view still shows one by one: dead or paused ones."""
+    return [r for r in rows if r["state"] == "dead" or r["state"].startswith("paused")]
+
+
+def _columns(head: list[str], body: list[list[str]]) -> list[str]:
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in [head, *body]]
 
 
 def _state(s: str) -> str:

@@ -349,3 +349,29 @@ def test_kill_of_the_kernel_pid_ends_the_agents_of_its_process_job_mesh():
         assert not home_processes(k.home), "agents left for their lease after the kernel got SIGTERM"
     finally:
         k.close()
+
+
+def test_a_process_job_stopped_by_another_process_reads_gone_while_its_agents_wait_to_be_reaped():
+    """The Mesh panel's stop (a Jupyter server asking the agents to shut down): the agents
+    exit, but their parent (this process, as a kernel holds its ProcessJob) has not reaped
+    them yet. Zombies answered ``kill(pid, 0)``, so the panel kept listing the mesh as running."""
+    from monarch_kernel.core.connection import list_meshes
+    from monarch_kernel.telemetry.server import _ask
+
+    job = ProcessJob(meshes={"hosts": 2}, name="stopped-elsewhere")
+    try:
+        job.state()
+        info = next(info for name, info, _ in list_meshes() if name == "stopped-elsewhere")
+        _ask(info, "shutdown", timeout=10.0)
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in _agent_pids(job)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_zombie(p) for p in _agent_pids(job))   # exited, not reaped
+        assert [alive for name, _, alive in list_meshes() if name == "stopped-elsewhere"] == [False]
+    finally:
+        job.kill()
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"

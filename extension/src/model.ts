@@ -15,6 +15,7 @@ export interface IProc {
   buffers: unknown;
   cpu: number | null;
   rss_mb: number | null;
+  uss_mb: number | null; // its own memory (the latest reading; read every few samples)
   gpu_util: number | null;
   cpu_hist: number[];
   rss_hist: number[];

@@ -2,10 +2,17 @@
  * The Mesh sidebar: every mesh on this machine, its hosts, procs (state, CPU and memory
  * sparklines, actors, RDMA buffers), and buttons. It only shows the model; actions are
  * callbacks given by the plugin (they need the notebook and the app).
+ *
+ * Past BIG ranks (as `%mesh top` and the tables of core/mesh_tables.py) a mesh shows a row a
+ * host (its ranks and states, CPU mean and memory total with their sparklines) and then each
+ * rank to look at (dead or paused): 256 rows of sparklines redrawn every second were a page
+ * of their own. "all N ranks" shows a row a rank, under a line per host, until asked back.
  */
 import { Widget } from '@lumino/widgets';
 
 import { counts, IMesh, IProc, leaseText, MeshModel, stateLabel } from './model';
+
+export const BIG = 32; // ranks before a mesh shows a row a host
 
 export interface IMeshActions {
   insertConnect(mesh: string): void;
@@ -20,9 +27,9 @@ const esc = (s: unknown): string =>
 
 function spark(values: number[], max: number, color: string): string {
   if (values.length < 2) {
-    return '<svg class="mk-spark" width="40" height="14"></svg>';
+    return '<svg class="mk-spark" width="30" height="14"></svg>';
   }
-  const w = 40;
+  const w = 30;
   const h = 14;
   const top = Math.max(max, ...values, 1e-9);
   const pts = values
@@ -44,14 +51,16 @@ function buffers(procs: IProc[]): string {
   return n ? `${n} (${(total / 2 ** 20).toFixed(1)} MiB)` : '';
 }
 
-function procRow(p: IProc, hosts: boolean, gpu: boolean): string {
+const num = (v: number | null | undefined, unit: string): string =>
+  v === null || v === undefined ? '' : `${v.toFixed(0)}${unit}`;
+
+function procRow(p: IProc, gpu: boolean): string {
   const full = stateLabel(p.state);
   const state = p.state.startsWith('paused') ? 'paused' : full; // the full text is the tooltip
   const cls = p.state === 'dead' ? 'mk-dead' : p.state.startsWith('paused') ? 'mk-paused' : '';
-  const num = (v: number | null, unit: string) => (v === null || v === undefined ? '' : `${v.toFixed(0)}${unit}`);
   return (
-    `<tr class="mk-proc ${cls}" data-rank="${p.rank}" data-pid="${p.pid}" data-state="${esc(p.state)}">` +
-    `<td>${p.rank}</td>${hosts ? `<td>${esc(p.host)}</td>` : ''}` +
+    `<tr class="mk-proc ${cls}" data-rank="${p.rank}" data-pid="${p.pid}" data-state="${esc(p.state)}" ` +
+    `data-host="${esc(p.host)}"><td>${p.rank}</td>` +
     `<td class="mk-state" title="${esc(full)}">${esc(state)}</td>` +
     `<td>${spark(p.cpu_hist, 100, '#4a90d9')} ${num(p.cpu, '%')}</td>` +
     `<td>${spark(p.rss_hist, 0, '#8e44ad')} ${num(p.rss_mb, 'M')}</td>` +
@@ -60,7 +69,104 @@ function procRow(p: IProc, hosts: boolean, gpu: boolean): string {
   );
 }
 
-function meshBlock(m: IMesh, mine: boolean): string {
+/** "0-31,40": ranks in order, runs as first-last (core/mesh_tables.py's ranges). */
+export function ranges(ranks: number[]): string {
+  const r = [...ranks].sort((a, b) => a - b);
+  const parts: string[] = [];
+  for (let i = 0; i < r.length; ) {
+    let j = i;
+    while (j + 1 < r.length && r[j + 1] === r[j] + 1) {
+      j++;
+    }
+    parts.push(i === j ? `${r[i]}` : `${r[i]}-${r[j]}`);
+    i = j + 1;
+  }
+  return parts.join(',');
+}
+
+/** The procs of each host, hosts in the order their first rank comes. */
+function byHost(procs: IProc[]): Map<string, IProc[]> {
+  const hosts = new Map<string, IProc[]>();
+  for (const p of procs) {
+    const list = hosts.get(p.host);
+    list ? list.push(p) : hosts.set(p.host, [p]);
+  }
+  return hosts;
+}
+
+/** Per step of the last minute, the mean (or the sum) of the procs' histories, aligned on
+ * their latest sample. */
+function combined(hists: number[][], how: 'mean' | 'sum'): number[] {
+  const len = Math.max(0, ...hists.map(h => h.length));
+  const out: number[] = [];
+  for (let i = 0; i < len; i++) {
+    const vals = hists.map(h => h[h.length - len + i]).filter(v => v !== undefined && v !== null);
+    const sum = vals.reduce((a, b) => a + b, 0);
+    out.push(how === 'sum' ? sum : vals.length ? sum / vals.length : 0);
+  }
+  return out;
+}
+
+function hostRow(host: string, procs: IProc[], gpu: boolean): string {
+  const states = new Map<string, number>();
+  for (const p of procs) {
+    const s = p.state.startsWith('paused') ? 'paused' : stateLabel(p.state);
+    states.set(s, (states.get(s) || 0) + 1);
+  }
+  const text = [...states.entries()].sort((a, b) => b[1] - a[1]).map(([s, n]) => `${n} ${s}`).join(' · ');
+  const cls = states.has('dead') ? 'mk-dead' : states.has('paused') ? 'mk-paused' : '';
+  const cpu = procs.filter(p => p.cpu !== null && p.cpu !== undefined);
+  const rss = procs.filter(p => p.rss_mb !== null && p.rss_mb !== undefined);
+  const mean = cpu.length ? cpu.reduce((a, p) => a + (p.cpu as number), 0) / cpu.length : null;
+  // what its procs hold of their own (USS): forked from one zygote, they share most pages
+  const own = (p: IProc): number => (p.uss_mb !== null && p.uss_mb !== undefined ? p.uss_mb : (p.rss_mb as number));
+  const total = rss.length ? rss.reduce((a, p) => a + own(p), 0) : null;
+  const mem = total === null ? '' : total >= 1024 ? `${(total / 1024).toFixed(1)}G` : `${total.toFixed(0)}M`;
+  const gpus = procs.filter(p => p.gpu_util !== null && p.gpu_util !== undefined);
+  const gpuMean = gpus.length ? gpus.reduce((a, p) => a + (p.gpu_util as number), 0) / gpus.length : null;
+  return (
+    `<tr class="mk-host ${cls}" data-host="${esc(host)}" data-procs="${procs.length}">` +
+    `<td><div>${esc(host)}</div><div class="mk-sub" title="ranks and their states">` +
+    `${esc(ranges(procs.map(p => p.rank)))} · <span class="mk-state">${esc(text)}</span></div></td>` +
+    `<td title="CPU, mean of its procs">${spark(combined(procs.map(p => p.cpu_hist), 'mean'), 100, '#4a90d9')} ` +
+    `${num(mean, '%')}</td>` +
+    `<td title="memory its procs hold of their own (USS; the line: their RSS)">` +
+    `${spark(combined(procs.map(p => p.rss_hist), 'mean'), 0, '#8e44ad')} ${mem}</td>` +
+    (gpu ? `<td>${spark(combined(procs.map(p => p.gpu_hist || []), 'mean'), 100, '#2e7d32')} ${num(gpuMean, '%')}</td>` : '') +
+    '</tr>'
+  );
+}
+
+/** A row a rank; with several hosts, under a line naming each (no host column: the sidebar
+ * is narrow). */
+function rankTable(procs: IProc[], gpu: boolean): string {
+  const hosts = byHost(procs);
+  const cols = gpu ? 5 : 4;
+  const rows = [...hosts.entries()]
+    .map(([host, ps]) =>
+      (hosts.size > 1 ? `<tr class="mk-host-line"><td colspan="${cols}">${esc(host)}</td></tr>` : '') +
+      ps.map(p => procRow(p, gpu)).join(''))
+    .join('');
+  return (
+    `<table class="mk-procs"><tr><th>rank</th><th>state</th><th>CPU</th><th>memory</th>${gpu ? '<th>GPU</th>' : ''}` +
+    `</tr>${rows}</table>`
+  );
+}
+
+function hostTable(procs: IProc[], gpu: boolean): string {
+  const rows = [...byHost(procs).entries()].map(([host, ps]) => hostRow(host, ps, gpu)).join('');
+  const look = procs.filter(p => p.state === 'dead' || p.state.startsWith('paused'));
+  return (
+    `<table class="mk-procs mk-hosts"><tr><th>host</th><th>CPU</th><th>memory</th>${gpu ? '<th>GPU</th>' : ''}</tr>` +
+    `${rows}</table>` +
+    (look.length
+      ? `<div class="mk-extra">ranks to look at:</div>` +
+        `<table class="mk-procs mk-look">${look.map(p => procRow(p, gpu)).join('')}</table>`
+      : '')
+  );
+}
+
+function meshBlock(m: IMesh, mine: boolean, allRanks: boolean): string {
   const c = counts(m);
   const status = !m.alive
     ? 'not running'
@@ -78,10 +184,11 @@ function meshBlock(m: IMesh, mine: boolean): string {
       'connect a notebook to this mesh first', m.alive && c.paused > 0 && mine),
     btn('stop', 'stop', 'stop every proc and agent of this mesh', m.alive)
   ].join('');
-  const many = new Set(m.procs.map(p => p.host)).size > 1;
-  const table = m.procs.length
-    ? `<table class="mk-procs"><tr><th>rank</th>${many ? '<th>host</th>' : ''}<th>state</th><th>CPU</th>` +
-      `<th>memory</th>${m.gpu ? '<th>GPU</th>' : ''}</tr>${m.procs.map(p => procRow(p, many, m.gpu)).join('')}</table>`
+  const big = m.procs.length > BIG;
+  const table = !m.procs.length ? '' : big && !allRanks ? hostTable(m.procs, m.gpu) : rankTable(m.procs, m.gpu);
+  const toggle = big
+    ? `<button class="jp-mod-styled mk-btn mk-toggle" data-action="ranks" data-mesh="${esc(m.name)}">` +
+      `${allRanks ? 'a row a host' : `all ${m.procs.length} ranks`}</button>`
     : '';
   const actors = [...new Set(m.procs.flatMap(p => p.actors))].sort();
   const rdma = buffers(m.procs);
@@ -92,11 +199,13 @@ function meshBlock(m: IMesh, mine: boolean): string {
   return (
     `<div class="mk-mesh${c.dead ? ' mk-has-dead' : ''}" data-mesh="${esc(m.name)}">` +
     `<div class="mk-title"><b>${esc(m.name)}</b>${badge}</div><div class="mk-status">${esc(status)}</div>` +
-    `<div class="mk-buttons">${buttons}</div>${table}${extra}</div>`
+    `<div class="mk-buttons">${buttons}</div>${table}${toggle}${extra}</div>`
   );
 }
 
 export class MeshPanel extends Widget {
+  private allRanks = new Set<string>(); // big meshes shown a row a rank, by name
+
   constructor(private model: MeshModel, private actions: IMeshActions) {
     super();
     this.id = 'monarch-mesh-panel';
@@ -128,7 +237,7 @@ export class MeshPanel extends Widget {
       return;
     }
     const body = d.meshes.length
-      ? d.meshes.map(m => meshBlock(m, m.name === d.kernel_mesh)).join('')
+      ? d.meshes.map(m => meshBlock(m, m.name === d.kernel_mesh, this.allRanks.has(m.name))).join('')
       : '<div class="mk-empty">No mesh yet: run <code>%mesh connect</code> in a Monarch notebook.</div>';
     const err = this.model.error ? `<div class="mk-error">${esc(this.model.error)}</div>` : '';
     this.node.innerHTML = head + err + body;
@@ -141,6 +250,11 @@ export class MeshPanel extends Widget {
     }
     const mesh = b.dataset.mesh as string;
     const act = b.dataset.action as string;
+    if (act === 'ranks') {
+      this.allRanks.has(mesh) ? this.allRanks.delete(mesh) : this.allRanks.add(mesh);
+      this.render();
+      return;
+    }
     const fn: Record<string, (m: string) => void> = {
       connect: m => this.actions.insertConnect(m),
       stop: m => this.actions.stop(m),

@@ -66,16 +66,10 @@ def agent_alive(info: dict) -> bool:
     """True if every local agent pid in the file still runs (remote ones are not checked)."""
     import socket
 
+    from .transport import pid_alive  # (a zombie is gone: an agent exited, its parent not reaping it yet)
+
     here = socket.gethostname()
-    for a in info.get("agents", []):
-        if a.get("host") == here and a.get("pid"):
-            try:
-                os.kill(a["pid"], 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-    return True
+    return all(pid_alive(a["pid"]) for a in info.get("agents", []) if a.get("host") == here and a.get("pid"))
 
 
 def list_meshes() -> list[tuple[str, dict, bool]]:

@@ -16,7 +16,8 @@ import importlib
 
 _WHERE = {"JobTrait": "base", "JobState": "base", "JobError": "base", "JobGoneError": "base",
           "JobInterrupted": "base",
-          "job_load": "base", "LocalJob": "local", "ProcessJob": "local", "SlurmJob": "slurm",
+          "job_load": "base", "cached_job": "base",
+          "LocalJob": "local", "ProcessJob": "local", "SlurmJob": "slurm",
           "SSHJob": "ssh",
           "KubernetesJob": "kubernetes", "ImageSpec": "kubernetes"}
 

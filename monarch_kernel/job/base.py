@@ -413,6 +413,19 @@ def _read(path: Path) -> dict | None:
         raise JobError(f"cannot read the cached job {path}: {e}; remove the file to start afresh") from None
 
 
+def cached_job(name: str) -> JobTrait | None:
+    """The job cached under mesh ``name`` (started by this or another process: a kernel, a
+    script), ready to be released with ``.kill()``; None when that mesh is no job's (a lone
+    agent's) or there is no such mesh. What ``%mesh stop NAME`` and the Mesh panel's stop use."""
+    path = connection_path(name)
+    try:
+        with open(path) as f:
+            is_job = bool(json.load(f).get("job"))
+    except (OSError, ValueError):
+        return None
+    return job_load(path) if is_job else None
+
+
 def job_load(path: str | Path) -> JobTrait:
     """The job written by ``job.dump(path)`` (or cached by ``state()``), ready to re-attach
     with ``.state()`` or be released with ``.kill()``."""

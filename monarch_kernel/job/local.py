@@ -24,18 +24,11 @@ import threading
 import time
 import weakref
 
+from ..core.transport import pid_alive
 from ..launch.local import start_local_agent
 from .base import JobTrait, Progress
 
 log = logging.getLogger("monarch_kernel.job")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 #: What one more host on this machine costs before it runs a proc: its agent and its zygote,
@@ -95,7 +88,8 @@ class ProcessJob(JobTrait):
         return agents
 
     def _gone_reason(self) -> str | None:
-        dead = [p for p in (self._handle or {}).get("pids", []) if not _alive(p)]
+        self._reap()   # agents of ours that exited (stopped from the Mesh panel, killed): no zombies
+        dead = [p for p in (self._handle or {}).get("pids", []) if not pid_alive(p)]
         if dead:
             return f"host agent pid {', '.join(map(str, dead))} no longer runs"
         return None
@@ -103,17 +97,17 @@ class ProcessJob(JobTrait):
     def _release(self) -> None:
         pids = (self._handle or {}).get("pids", [])
         for pid in pids:
-            if _alive(pid):
+            if pid_alive(pid):
                 try:
                     os.kill(pid, signal.SIGTERM)   # the agent stops its procs, then exits
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.02)
         for pid in pids:
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._reap(wait=True)
 

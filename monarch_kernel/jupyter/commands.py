@@ -12,10 +12,11 @@ from IPython.core.error import UsageError
 
 from ..core.connection import list_meshes
 from ..core.mesh import ProcMesh, state_of, view_of
+from ..core.transport import pid_alive
 from .display import Table, rank_ranges
 from .magics import mesh_command, mesh_parser
 from .on_mesh import select
-from .session import CELL_ACTOR, _pid_alive, default_mesh_name, parse_duration
+from .session import CELL_ACTOR, default_mesh_name, parse_duration
 
 
 def _per_host(text: str) -> dict:
@@ -272,7 +273,7 @@ def list_(ctx, args):
     for name, info, _ in list_meshes():
         agents = info.get("agents", [])
         local = [a for a in agents if a.get("host") == here and a.get("pid")]
-        alive = all(_pid_alive(a["pid"]) for a in local)   # a zombie agent is gone too
+        alive = all(pid_alive(a["pid"]) for a in local)   # a zombie agent is gone too
         pids = ", ".join(str(a["pid"]) for a in local) or "-"
         mark = "connected" if name == ctx.session.name and ctx.session.procs is not None else ""
         rows.append([name, "alive" if alive else "gone", len(agents), pids, mark])

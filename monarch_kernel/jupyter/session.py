@@ -10,7 +10,6 @@ path in ``JPY_SESSION_NAME``; without it the name is ``default``.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -27,6 +26,7 @@ from ..core.errors import MeshGoneError
 from ..core.hosts import HostMesh, this_host
 from ..core.mesh import ActorMesh, ProcMesh
 from ..core.runtime import runtime
+from ..core.transport import pid_alive
 
 log = logging.getLogger("monarch_kernel.jupyter")
 
@@ -98,7 +98,9 @@ class MeshSession:
         if job is None and self.job is not None and self.name == name:
             job = self.job            # `%mesh connect NAME --mesh OTHER`: the same job, another mesh
         if job is None:
-            job = _cached_job(name)   # `%mesh connect NAME` of a job's mesh: re-attach through the job
+            from ..job import cached_job
+
+            job = cached_job(name)   # `%mesh connect NAME` of a job's mesh: re-attach through the job
         if job_mesh is not None and job is None:
             raise ValueError(f"--mesh {job_mesh} picks one of a job's meshes, but {name!r} is not a job's mesh: "
                              "use it with --job VAR (or --slurm, --ssh, --k8s), or with the name of a job's mesh")
@@ -189,7 +191,9 @@ class MeshSession:
         name = name or self.name or default_mesh_name()
         if self._prewarm is not None:
             self._prewarm.join()
-        job = self.job if self.name == name else _cached_job(name)
+        from ..job import cached_job
+
+        job = self.job if self.name == name else cached_job(name)
         if job is not None:   # procs, agents and the allocation (scancel, pods, ...)
             job.kill()
             if self.name == name:
@@ -257,41 +261,10 @@ def host_alive(hm: HostMesh | None) -> bool:
             gone += 1
         elif pid and pid != child:
             here = here or socket.gethostname()
-            if a.get("host") == here and not _pid_alive(pid):
+            if a.get("host") == here and not pid_alive(pid):
                 gone += 1
     # A mesh of several hosts that lost some keeps its other hosts' ranks (and their state).
     return gone == 0 or (len(agents) > 1 and gone < len(agents))
-
-
-def _cached_job(name: str):
-    """The job cached under mesh ``name`` (a kernel before this one asked for it), or None."""
-    from ..core.connection import connection_path
-
-    path = connection_path(name)
-    try:
-        with open(path) as f:
-            is_job = bool(json.load(f).get("job"))
-    except (OSError, ValueError):
-        return None
-    if not is_job:
-        return None
-    from ..job import job_load
-
-    return job_load(path)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def set_lease(hm: HostMesh, seconds: float) -> None:

@@ -80,6 +80,7 @@ def describe_mesh(name: str, info: dict, alive: bool) -> dict:
                 "rank": p["rank"], "mesh": p["mesh"], "host": ans["host"], "pid": p["pid"], "state": p["state"],
                 "actors": [a for a in p.get("actors", []) if a != "__cells__"], "buffers": p.get("buffers"),
                 "cpu": s.get("cpu") if alive_p else None, "rss_mb": s.get("rss") if alive_p else None,
+                "uss_mb": s.get("uss") if alive_p else None,
                 "gpu_util": s.get("gpu_util") if alive_p else None,
                 "cpu_hist": s.get("cpu_hist", []), "rss_hist": s.get("rss_hist", []),
                 "gpu_hist": s.get("gpu_hist", [])})
@@ -88,11 +89,13 @@ def describe_mesh(name: str, info: dict, alive: bool) -> dict:
 
 
 def _latest(agent: str) -> dict:
-    rows = store().query("select mesh, rank, cpu_percent, rss_mb, gpu_util, time from samples where agent = ? "
-                         "and time > ? order by time", (agent, time.time() - SPARK_S))
+    rows = store().query("select mesh, rank, cpu_percent, rss_mb, gpu_util, uss_mb, time from samples where "
+                         "agent = ? and time > ? order by time", (agent, time.time() - SPARK_S))
     out: dict = {}
-    for mesh, rank, cpu, rss, gpu, _t in rows:
+    for mesh, rank, cpu, rss, gpu, uss, _t in rows:
         d = out.setdefault((mesh, rank), {"cpu_hist": [], "rss_hist": [], "gpu_hist": []})
+        if uss is not None:   # read every few samples (sampler.py): the latest reading
+            d["uss"] = uss
         d["cpu_hist"].append(round(cpu, 1))
         d["rss_hist"].append(round(rss, 1))
         if gpu is not None:   # no GPU: no line at all, not a line at zero
@@ -159,10 +162,19 @@ class LogsHandler(APIHandler):
 class StopHandler(APIHandler):
     @web.authenticated
     async def post(self, name: str):
+        """As ``%mesh stop NAME``: a job's mesh (``--hosts``, Slurm, Kubernetes, SSH) is released
+        with its job (agents, then the allocation and its record); a lone agent is asked to
+        shut down (it removes its own connection file)."""
+        from monarch_kernel.job import cached_job
+
         m = next((m for m in _meshes() if m["name"] == name), None)
         if m is None:
             raise web.HTTPError(404, f"no mesh named {name!r}")
-        await asyncio.to_thread(_ask, m["info"], "shutdown", timeout=10.0)
+        job = await asyncio.to_thread(cached_job, name)
+        if job is not None:
+            await asyncio.to_thread(job.kill)
+        else:
+            await asyncio.to_thread(_ask, m["info"], "shutdown", timeout=10.0)
         self.finish(json.dumps({"stopped": name}))
 
 

@@ -44,7 +44,8 @@ class MeshTop:
         for ref, st in zip(self.procs.procs(), states):
             s = latest.get(ref.rank, {}) if st.get("state") != "dead" else {}
             rows.append({"rank": ref.rank, "host": st.get("host", ref.host), "state": _state(st.get("state", "?")),
-                         "cpu": s.get("cpu_percent"), "rss_mb": s.get("rss_mb"), "gpu_util": s.get("gpu_util"),
+                         "cpu": s.get("cpu_percent"), "rss_mb": s.get("rss_mb"), "uss_mb": s.get("uss_mb"),
+                         "gpu_util": s.get("gpu_util"),
                          "gpu_mem_mb": s.get("gpu_mem_mb")})
         self.rows = rows
         self.updates += 1
@@ -57,7 +58,8 @@ class MeshTop:
         cpu = sum(r["cpu"] or 0 for r in rows)
         mem = sum(r["rss_mb"] or 0 for r in rows)
         extra = "".join([f" · {dead} dead" if dead else "", f" · {paused} paused" if paused else ""])
-        return f"mesh {self.name} · {len(rows)} procs{extra} · CPU {cpu:.0f}% · RSS {mem:.0f} MiB"
+        own = f" · own {_own(rows):.0f} MiB" if any(r.get("uss_mb") is not None for r in rows) else ""
+        return f"mesh {self.name} · {len(rows)} procs{extra} · CPU {cpu:.0f}% · RSS {mem:.0f} MiB{own}"
 
     @property
     def per_host(self) -> bool:
@@ -70,9 +72,9 @@ class MeshTop:
         gpu = self.tel.has_gpu()
         lines = [self.summary()]
         if self.per_host:
-            head = ["host", "ranks", "states", "cpu % mean", "busiest", "rss MiB", "largest"] + (
+            head = ["host", "ranks", "states", "cpu % mean", "busiest", "own MiB", "largest rss"] + (
                 ["gpu % mean"] if gpu else [])
-            body = [[h["host"], h["ranks"], h["states"], _num(h["cpu_mean"]), h["cpu_top"], _num(h["rss_total"]),
+            body = [[h["host"], h["ranks"], h["states"], _num(h["cpu_mean"]), h["cpu_top"], _num(h["own_total"]),
                      h["rss_top"]] + ([_num(h["gpu_mean"])] if gpu else []) for h in host_rows(self.rows)]
             lines += _columns(head, body)
             look = attention(self.rows)
@@ -104,9 +106,9 @@ class MeshTop:
 
     def _hosts_html(self, gpu: bool) -> str:
         hosts = host_rows(self.rows)
-        mem_scale = max([h["rss_total"] or 0 for h in hosts] + [1.0])
+        mem_scale = max([h["own_total"] or 0 for h in hosts] + [1.0])
         head = "".join(f"<th style='text-align:left;padding-right:12px'>{h}</th>" for h in
-                       ["host", "ranks", "states", "CPU (mean, busiest)", "memory (total, largest)"]
+                       ["host", "ranks", "states", "CPU (mean, busiest)", "memory (its own, largest RSS)"]
                        + (["GPU (mean)"] if gpu else []))
         body = []
         for h in hosts:
@@ -114,7 +116,7 @@ class MeshTop:
             cells = [html.escape(h["host"]), h["ranks"],
                      f"<span style='color:{color}'>{html.escape(h['states'])}</span>",
                      _bar(h["cpu_mean"], 100.0, f"{_num(h['cpu_mean'])}%, {h['cpu_top']}"),
-                     _bar(h["rss_total"], mem_scale, f"{_num(h['rss_total'])} MiB, {h['rss_top']}")]
+                     _bar(h["own_total"], mem_scale, f"{_num(h['own_total'])} MiB, {h['rss_top']}")]
             if gpu:
                 cells.append(_bar(h["gpu_mean"], 100.0, f"{_num(h['gpu_mean'])}%"))
             body.append("<tr class='monarch-top-host'>" + "".join(f"<td style='padding-right:12px'>{c}</td>"
@@ -191,7 +193,9 @@ class MeshTop:
 
 def host_rows(rows: list[dict]) -> list[dict]:
     """A row a host, in the order its first rank comes: its ranks (as ranges), its ranks per
-    state (``30 idle · 2 dead``), CPU mean and busiest rank, memory total and largest rank."""
+    state (``30 idle · 2 dead``), CPU mean and busiest rank, the memory its procs hold of their
+    own (USS, not RSS: procs forked from one zygote share most of their pages, and 32 RSS
+    figures added up count those 32 times) and the largest RSS."""
     by_host: dict[str, list[dict]] = {}
     for r in rows:
         by_host.setdefault(r["host"], []).append(r)
@@ -210,10 +214,15 @@ def host_rows(rows: list[dict]) -> list[dict]:
             "states": " · ".join(f"{n} {st}" for st, n in sorted(states.items(), key=lambda kv: -kv[1])),
             "cpu_mean": sum(r["cpu"] for r in cpu) / len(cpu) if cpu else None,
             "cpu_top": f"rank {busiest['rank']} {_num(busiest['cpu'])}%" if busiest else "",
-            "rss_total": sum(r["rss_mb"] for r in rss) if rss else None,
+            "own_total": _own(rss) if rss else None,
             "rss_top": f"rank {largest['rank']} {_num(largest['rss_mb'])} MiB" if largest else "",
             "gpu_mean": sum(gpu) / len(gpu) if gpu else None})
     return out
+
+
+def _own(rows: list[dict]) -> float:
+    """The memory of these procs' own: each one's USS, its RSS where no USS was read yet."""
+    return sum(r["uss_mb"] if r.get("uss_mb") is not None else (r["rss_mb"] or 0) for r in rows)
 
 
 def attention(rows: list[dict]) -> list[dict]:

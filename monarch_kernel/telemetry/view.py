@@ -50,7 +50,14 @@ class MeshTelemetry:
             f"select s.* from samples s join (select agent, rank, max(time) t from samples where mesh_id = ? and "
             f"agent in ({marks}) group by agent, rank) m on s.agent = m.agent and s.rank = m.rank and s.time = m.t",
             (self._state.id, *names))
-        return {r[rows.columns.index("rank")]: dict(zip(rows.columns, r)) for r in rows}
+        out = {r[rows.columns.index("rank")]: dict(zip(rows.columns, r)) for r in rows}
+        # a proc's USS is read every few samples (sampler.py): its latest reading, not the newest row's
+        uss = store().query(f"select rank, uss_mb, max(time) from samples where mesh_id = ? and agent in ({marks}) "
+                            f"and uss_mb is not null group by agent, rank", (self._state.id, *names))
+        for rank, mb, _t in uss:
+            if rank in out:
+                out[rank]["uss_mb"] = mb
+        return out
 
     def history(self, column: str, seconds: float = 60.0) -> dict[int, list[float]]:
         """rank -> the last ``seconds`` of one samples column (sparklines); no refresh."""

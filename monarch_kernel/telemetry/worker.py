@@ -42,7 +42,7 @@ class ProcTelemetry:
                 ok = ok and type(value).__name__ != "CellFailure"   # (one line a statement: a line event each)
                 self.cells.append((started, self.mesh, self.rank, args[1] if type(args[1]) is str else "", seconds, ok))
             return
-        # (node/proc.py's _linked_call makes this row itself, a function call less on the hot path: change both)
+        # (node/proc.py's _linked_call makes these rows itself, a function call less on the hot path: change both)
         self.calls.append((started, self.mesh, self.rank, actor, endpoint, seconds, ok))
 
     def _on_enable(self, link, on: bool):

@@ -16,7 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
-from lab_harness import CHROMIUM, CHROMIUM_ARGS, READY, extension_installed, jupyter_lab, write_notebook
+from lab_harness import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    READY,
+    RUN_ALL,
+    extension_installed,
+    jupyter_lab,
+    notebook_page,
+    write_notebook,
+)
 
 MESH = "kt-mesh-panel"
 CELLS = [f"%mesh connect {MESH} --procs 2", "%mesh top",
@@ -140,52 +149,39 @@ def test_mesh_panel_status_bar_and_buttons_follow_the_mesh(tmp_path):
 def test_a_mesh_of_40_ranks_shows_a_row_a_host_its_dead_rank_apart_and_every_rank_on_asking(tmp_path):
     """Past 32 ranks the panel has a row a host (256 rows of sparklines redrawn every second
     were a page of their own, and the host column pushed memory out of the narrow sidebar)."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
-                                                                 "playwright; it uses the system Chromium)")
     shots = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS", tmp_path))
     shots.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "root").mkdir()
     big = "kt-mesh-panel-big"
-    write_notebook(tmp_path / "root" / "big.ipynb", [f"%mesh connect {big} --hosts 2 --procs 20"])
-    with jupyter_lab(tmp_path, "big.ipynb") as (url, _home), sync_api.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium"), executable_path=CHROMIUM,
-                                                   headless=True, viewport={"width": 1400, "height": 900},
-                                                   args=CHROMIUM_ARGS)
-        try:
-            page = ctx.pages[0] if ctx.pages else ctx.new_page()
-            page.on("dialog", lambda d: d.accept())   # stop asks first
-            page.goto(url)
-            page.wait_for_function(READY, timeout=90_000, polling=250)
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-            page.evaluate("() => window.jupyterapp.commands.execute('monarch:show-meshes')")
-            mesh = page.locator(f".mk-mesh[data-mesh='{big}']")
-            mesh.locator(".mk-host").nth(1).wait_for(timeout=120_000)
-            hosts = mesh.locator(".mk-host")
-            assert hosts.count() == 2 and mesh.locator(".mk-proc").count() == 0
-            page.wait_for_function(f"""() => [...document.querySelectorAll(".mk-mesh[data-mesh='{big}'] .mk-host")]
-                .map(e => e.textContent).join('|').includes('20-39 · 20 idle')""", timeout=30_000)
-            assert re.search(r"/hosts0\s*0-19 · 20 idle", hosts.nth(0).text_content())
-            table = mesh.locator(".mk-procs").first
-            assert table.bounding_box()["width"] <= mesh.bounding_box()["width"]   # memory is not cut off
+    with notebook_page(tmp_path, "big.ipynb", [f"%mesh connect {big} --hosts 2 --procs 20"]) as page:
+        page.on("dialog", lambda d: d.accept())   # stop asks first
+        page.evaluate(RUN_ALL)
+        page.evaluate("() => window.jupyterapp.commands.execute('monarch:show-meshes')")
+        mesh = page.locator(f".mk-mesh[data-mesh='{big}']")
+        mesh.locator(".mk-host").nth(1).wait_for(timeout=120_000)
+        hosts = mesh.locator(".mk-host")
+        assert hosts.count() == 2 and mesh.locator(".mk-proc").count() == 0
+        page.wait_for_function(f"""() => [...document.querySelectorAll(".mk-mesh[data-mesh='{big}'] .mk-host")]
+            .map(e => e.textContent).join('|').includes('20-39 · 20 idle')""", timeout=30_000)
+        assert re.search(r"/hosts0\s*0-19 · 20 idle", hosts.nth(0).text_content())
+        table = mesh.locator(".mk-procs").first
+        assert table.bounding_box()["width"] <= mesh.bounding_box()["width"]   # memory is not cut off
 
-            # every rank on asking, under a line per host; its pids are what a user can kill
-            mesh.get_by_role("button", name="all 40 ranks").click()
-            mesh.locator(".mk-proc").nth(39).wait_for(timeout=5_000)
-            assert mesh.locator(".mk-host-line").count() == 2
-            pid = int(mesh.locator(".mk-proc[data-rank='25']").get_attribute("data-pid"))
-            page.screenshot(path=str(shots / "mesh-big-1-all-ranks.png"))
-            mesh.get_by_role("button", name="a row a host").click()
-            mesh.locator(".mk-host").nth(1).wait_for(timeout=5_000)
+        # every rank on asking, under a line per host; its pids are what a user can kill
+        mesh.get_by_role("button", name="all 40 ranks").click()
+        mesh.locator(".mk-proc").nth(39).wait_for(timeout=5_000)
+        assert mesh.locator(".mk-host-line").count() == 2
+        pid = int(mesh.locator(".mk-proc[data-rank='25']").get_attribute("data-pid"))
+        page.screenshot(path=str(shots / "mesh-big-1-all-ranks.png"))
+        mesh.get_by_role("button", name="a row a host").click()
+        mesh.locator(".mk-host").nth(1).wait_for(timeout=5_000)
 
-            # a killed rank: its host row says so, and the rank has a row of its own, dead
-            os.kill(pid, signal.SIGKILL)
-            page.wait_for_selector(f".mk-mesh[data-mesh='{big}'] .mk-look .mk-proc[data-rank='25'][data-state='dead']",
-                                   timeout=5_000)
-            assert "19 idle · 1 dead" in hosts.nth(1).text_content()
-            assert "mk-dead" in hosts.nth(1).get_attribute("class")
-            assert mesh.locator(".mk-proc").count() == 1
-            page.screenshot(path=str(shots / "mesh-big-2-dead-rank.png"))
-            mesh.get_by_role("button", name="stop").click()
-            mesh.wait_for(state="detached", timeout=30_000)
-        finally:
-            ctx.close()
+        # a killed rank: its host row says so, and the rank has a row of its own, dead
+        os.kill(pid, signal.SIGKILL)
+        page.wait_for_selector(f".mk-mesh[data-mesh='{big}'] .mk-look .mk-proc[data-rank='25'][data-state='dead']",
+                               timeout=5_000)
+        assert "19 idle · 1 dead" in hosts.nth(1).text_content()
+        assert "mk-dead" in hosts.nth(1).get_attribute("class")
+        assert mesh.locator(".mk-proc").count() == 1
+        page.screenshot(path=str(shots / "mesh-big-2-dead-rank.png"))
+        mesh.get_by_role("button", name="stop").click()
+        mesh.wait_for(state="detached", timeout=30_000)

@@ -98,13 +98,14 @@ class AgentHosts:
             bind = self.net.ip[node] if self.net else LOOPBACK
             argv = [sys.executable, "-m", "workers.agent", "--bind", bind, "--key-file",
                     self.key_file, "--name", f"scale-{node}", "--lease", "120"]
-            self.agents[node] = subprocess.Popen(self.net.enter(node, argv) if self.net else argv,
-                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                                 env={**self.env, "MK_SCALE_HOST": node,
-                                                      # (in a namespace it is that namespace's hostname)
-                                                      **({} if self.net else {"MONARCH_KERNEL_HOST_NAME": node})},
-                                                 cwd=str(ROOT),
-                                                 text=True)
+            with open(os.path.join(self._dir, f"{node}.log"), "w") as log:   # (the agent's own: warnings())
+                self.agents[node] = subprocess.Popen(self.net.enter(node, argv) if self.net else argv,
+                                                     stdout=subprocess.PIPE, stderr=log,
+                                                     env={**self.env, "MK_SCALE_HOST": node,
+                                                          # (in a namespace it is that namespace's hostname)
+                                                          **({} if self.net else {"MONARCH_KERNEL_HOST_NAME": node})},
+                                                     cwd=str(ROOT),
+                                                     text=True)
         for node in self.names:
             line = self.agents[node].stdout.readline().strip()
             if not line.startswith("MONARCH_AGENT_READY "):
@@ -143,6 +144,18 @@ class AgentHosts:
             "name": name, "key": self.key.hex(), "persistent": False, "lease": 120,
             "agents": [{"addr": a, "host": n, "pid": p.pid} for n, a, p in
                        zip(self.names, self.addrs, self.agents.values())]})
+
+    def warnings(self) -> list[str]:
+        """What the agents logged as warnings (a controller detached after a silence, a lost
+        proc...), ``node: line``: for a failing test's message."""
+        out = []
+        for node in self.names:
+            try:
+                with open(os.path.join(self._dir, f"{node}.log"), errors="replace") as f:
+                    out += [f"{node}: {line.rstrip()}" for line in f if "WARNING" in line or "ERROR" in line]
+            except OSError:
+                pass
+        return out
 
     def close(self) -> None:
         for node in self.names:

@@ -121,7 +121,8 @@ def _spawn_and_run_a_cell_from_a_kernel(hosts) -> None:
         shown = r.stdout.count("\n")
         m = re.search(r"([\d,]+) lines from ranks 0-255 not shown here", r.stderr)
         assert m, r.stderr[-2000:]
-        assert 0 < shown <= 12_000 and int(m.group(1).replace(",", "")) + shown == N * 10_000, (shown, m.group(1))
+        assert 0 < shown <= 12_000 and int(m.group(1).replace(",", "")) + shown == N * 10_000, (
+            shown, m.group(1), hosts.warnings()[-20:])   # (once 0.3 % short in CI, round 18: the agents' say)
         print(f"256 ranks x 10,000 printed lines: {time.monotonic() - t0:.1f} s, {shown} shown, "
               f"{m.group(1)} counted as not shown")
         assert "1" in k.ok("%%on_mesh --ranks 0\n1", timeout=60).result   # (and the next cell runs)

@@ -4,7 +4,7 @@
  * callbacks given by the plugin (they need the notebook and the app).
  *
  * Past BIG ranks (as `%mesh top` and the tables of core/mesh_tables.py) a mesh shows a row a
- * host (its ranks and states, CPU mean and memory total with their sparklines) and then each
+ * host (its ranks and states, mean CPU, the memory its procs hold of their own) and then each
  * rank to look at (dead or paused): 256 rows of sparklines redrawn every second were a page
  * of their own. "all N ranks" shows a row a rank, under a line per host, until asked back.
  */
@@ -94,15 +94,14 @@ function byHost(procs: IProc[]): Map<string, IProc[]> {
   return hosts;
 }
 
-/** Per step of the last minute, the mean (or the sum) of the procs' histories, aligned on
- * their latest sample. */
-function combined(hists: number[][], how: 'mean' | 'sum'): number[] {
+/** Per step of the last minute, the mean of the procs' histories, aligned on their latest
+ * sample. */
+function meanOf(hists: number[][]): number[] {
   const len = Math.max(0, ...hists.map(h => h.length));
   const out: number[] = [];
   for (let i = 0; i < len; i++) {
     const vals = hists.map(h => h[h.length - len + i]).filter(v => v !== undefined && v !== null);
-    const sum = vals.reduce((a, b) => a + b, 0);
-    out.push(how === 'sum' ? sum : vals.length ? sum / vals.length : 0);
+    out.push(vals.length ? vals.reduce((a, b) => a + b, 0) / vals.length : 0);
   }
   return out;
 }
@@ -128,11 +127,11 @@ function hostRow(host: string, procs: IProc[], gpu: boolean): string {
     `<tr class="mk-host ${cls}" data-host="${esc(host)}" data-procs="${procs.length}">` +
     `<td><div>${esc(host)}</div><div class="mk-sub" title="ranks and their states">` +
     `${esc(ranges(procs.map(p => p.rank)))} · <span class="mk-state">${esc(text)}</span></div></td>` +
-    `<td title="CPU, mean of its procs">${spark(combined(procs.map(p => p.cpu_hist), 'mean'), 100, '#4a90d9')} ` +
+    `<td title="CPU, mean of its procs">${spark(meanOf(procs.map(p => p.cpu_hist)), 100, '#4a90d9')} ` +
     `${num(mean, '%')}</td>` +
     `<td title="memory its procs hold of their own (USS; the line: their RSS)">` +
-    `${spark(combined(procs.map(p => p.rss_hist), 'mean'), 0, '#8e44ad')} ${mem}</td>` +
-    (gpu ? `<td>${spark(combined(procs.map(p => p.gpu_hist || []), 'mean'), 100, '#2e7d32')} ${num(gpuMean, '%')}</td>` : '') +
+    `${spark(meanOf(procs.map(p => p.rss_hist)), 0, '#8e44ad')} ${mem}</td>` +
+    (gpu ? `<td>${spark(meanOf(procs.map(p => p.gpu_hist || [])), 100, '#2e7d32')} ${num(gpuMean, '%')}</td>` : '') +
     '</tr>'
   );
 }

@@ -178,6 +178,9 @@ class _FastPickler(pickle.Pickler):
         return NotImplemented
 
 
+_DYNAMIC_CODE = "<dynamic-code>"   # what cloudpickle >= 3.1.3 names a shipped function's file
+
+
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file, buffers):
         super().__init__(file, protocol=5, buffer_callback=None if buffers is None else buffers.append)
@@ -194,7 +197,18 @@ class _Pickler(cloudpickle.Pickler):
             if self.source_files is None:
                 self.source_files = set()
             self.source_files.add(obj.__code__.co_filename)
+        elif t is types.CodeType:
+            return self._code_with_its_file(obj)
         return super().reducer_override(obj)
+
+    def _code_with_its_file(self, code):
+        """cloudpickle's reduction of a code object, keeping its file name: since 3.1.3 it
+        ships every function's code as ``<dynamic-code>`` (for payloads that do not depend on
+        where a function was defined), which took the file and lines out of a remote
+        traceback of a ``__main__`` or notebook function, and the source lines shipped with
+        it (``_reduce_sources``) under its file name no longer matched."""
+        rebuild, args = self.dispatch_table[types.CodeType](code)
+        return rebuild, tuple(code.co_filename if type(a) is str and a == _DYNAMIC_CODE else a for a in args)
 
     def _reduce_sources(self):
         if not self.source_files:

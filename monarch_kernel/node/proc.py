@@ -144,7 +144,7 @@ class ProcWorker:
         self.link_path = cfg.get("fan_link")   # where its agent takes fan links (fanlink.py)
         self.link: fanlink.ProcLink | None = None   # fanned calls, their replies and output
         self.sink = (rt.learn_contact(cfg["sink"]), self.key) if cfg.get("sink") else None
-        self.away_from = None   # the controller our agent detached (silent), until it is back
+        self.away_sink = None   # (addr, key) of the controller our agent detached (silent), until it is back
         self.actors: dict[str, ActorSlot] = {}
         self.failed: dict[str, tuple] = {}   # actor id -> (name, why it is gone, its error or None)
         # Calls that overtook their actor's spawn (another way here: a spawn through the agent,
@@ -204,7 +204,7 @@ class ProcWorker:
             self.telemetry.log.write(stream, text)
         sink = self.sink
         if sink is None or not self.stream_to_client:
-            if sink is None and self.away_from is not None and self.stream_to_client:
+            if sink is None and self.away_sink is not None and self.stream_to_client:
                 # Our agent detached the controller after a silence (a stall either side): the
                 # line is in the log; its count goes with the first line or reply once it is back.
                 self.output_limit.keep_back(text.count("\n") or 1)
@@ -242,8 +242,16 @@ class ProcWorker:
             pass
 
     def _send_skipped(self, sink, busy) -> None:
+        if sink is None:
+            # Detached (our agent stopped hearing the controller) while a call of its runs: the
+            # count goes before that call's reply, which goes to it detached or not, so the cell
+            # waiting on it can say these lines. Taken only when sent: else the next line or
+            # reply once the controller is back carries it.
+            sink = self.away_sink if busy is not None else None
+            if sink is None:
+                return
         n = self.output_limit.take_skipped()
-        if n and sink is not None:
+        if n:
             self._send_output(sink, busy, ("out", self.rank, SKIPPED, skipped_text(self.rank, n)))
 
     def flush_output(self):
@@ -259,13 +267,13 @@ class ProcWorker:
         (the cell it is waiting on says how many it did not get); another one is not told."""
         if addr:
             sink = (self.rt.learn_contact(addr), key)   # (its tcp address first)
-            if self.away_from is not None and sink[0] != self.away_from:
+            if self.away_sink is not None and sink[0] != self.away_sink[0]:
                 self.output_limit.take_skipped()
-            self.away_from = None
-            self.sink = sink
+            self.sink = sink   # (before the away sink is let go: a line meanwhile goes to one of them)
+            self.away_sink = None
         else:
             if self.sink is not None:
-                self.away_from = self.sink[0]
+                self.away_sink = self.sink
             self.sink = None
 
     def _on_interrupt(self, msg):

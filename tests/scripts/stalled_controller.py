@@ -4,7 +4,7 @@ Run by tests/test_reliability_liveness.py as a subprocess: prints ``READY <pid>`
 proc is up, then ``CALLING`` as one proc starts printing a line every 50 ms for ``argv[1]``
 seconds; the test stops or starves this process meanwhile. Ends with ``RESULT <json>``:
 the lines that reached this controller, and the count of lines its procs said they kept
-back (written on their host only).
+back (written on their host only), in all and when the long call's reply came.
 """
 import json
 import sys
@@ -44,10 +44,12 @@ def main():
     sys.stdin.readline()
     print("CALLING", flush=True)
     n = p.ticks.call_one(float(sys.argv[1])).get(60)
+    at_reply = {"got": len(got), "kept_back": kept[0]}   # what the call's own reply came after
     p.ticks.call_one(0.01).get(30)   # one line more: a count kept back goes with it
     time.sleep(0.5)
     procs.stop()
-    print("RESULT " + json.dumps({"printed": n + 1, "got": len(got), "kept_back": kept[0]}), flush=True)
+    print("RESULT " + json.dumps({"printed": n + 1, "got": len(got), "kept_back": kept[0], "call": n,
+                                  "at_reply": at_reply}), flush=True)
     hm.shutdown()
 
 

@@ -73,3 +73,32 @@ def test_ranks_that_die_of_the_same_cause_are_one_error_naming_their_ranks(k):
     assert re.search(r"ranks 1-2: SupervisionError: mesh '\w+' \(host [^,()]+\): proc exited with code 7", tb), tb
     k.ok("mesh.respawn()", timeout=60)
     assert k.ok("%%on_mesh --ranks 1,2\nrank * 10").result   # usable again
+
+
+def test_a_cell_on_33_ranks_that_ends_while_its_kernel_is_stopped_counts_every_line_it_did_not_show():
+    """kill -STOP of the kernel for 5.5 s while a cell on 33 ranks (fanned through their
+    agent) prints: the agent detaches the silent kernel after 3 s, the ranks' lines go to
+    their logs only, and the cell ends before the kernel is back. Every line printed is
+    shown or in the cell's "N lines ... not shown here" (before: a third of them were
+    neither, their count dropped by procs whose reply went while detached)."""
+    import os
+    import signal
+
+    with kernel_with_mesh("kt-stopped-kernel", "--procs 33") as h:
+        pid = h.km.provisioner.process.pid
+        msg = h.submit("%%on_mesh\nimport time\nt0, i = time.monotonic(), 0\n"
+                       "while time.monotonic() - t0 < 4.5:\n"
+                       "    print(f'r{rank} line {i}'); i += 1; time.sleep(0.02)\ni")
+        time.sleep(0.8)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(5.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        r = h.wait(msg, timeout=120)
+        assert r.status == "ok", r.error
+        printed = sum(h.value("list(_on_mesh.values())"))
+        m = re.search(r"([\d,]+) lines from ranks [\d,-]+ not shown here", r.stderr)
+        not_shown = int(m.group(1).replace(",", "")) if m else 0
+        shown = sum(1 for line in r.stdout.splitlines() if re.match(r"\[rank \d+\] r\d+ line \d+$", line))
+        assert not_shown > 0 and shown + not_shown == printed, (shown, not_shown, printed, r.stderr[-1500:])

@@ -102,3 +102,33 @@ def test_a_cell_on_33_ranks_that_ends_while_its_kernel_is_stopped_counts_every_l
         not_shown = int(m.group(1).replace(",", "")) if m else 0
         shown = sum(1 for line in r.stdout.splitlines() if re.match(r"\[rank \d+\] r\d+ line \d+$", line))
         assert not_shown > 0 and shown + not_shown == printed, (shown, not_shown, printed, r.stderr[-1500:])
+
+
+def test_a_rank_stopped_by_a_signal_is_named_so_with_the_command_that_resumes_it():
+    """kill -STOP of one rank's proc: the cell that cannot stop it, and `%mesh status`, say
+    that rank is stopped by a signal and give `kill -CONT PID`, rather than "may be stuck in
+    native code" (its host's agent reads the proc's state). After kill -CONT the mesh is
+    whole again."""
+    import os
+    import signal
+
+    with kernel_with_mesh("kt-stopped-rank", "--procs 3") as h:
+        h.ok("%%on_mesh\nimport os\nos.getpid()")
+        pids = h.value("list(_on_mesh.values())")
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            r = h.run("%%on_mesh --timeout 1\nrank", timeout=60)
+            text = r.stdout + r.stderr + str(r.error)
+            assert r.status == "error" and "rank 1" in text, text
+            said = f"stopped by a signal, kill -STOP or Ctrl-Z where it was started; `kill -CONT {pids[1]}`"
+            assert said in text, text
+            assert "native code" not in text, text
+            r = h.ok("%mesh status", timeout=30)
+            out = r.stdout + "".join(d["data"]["text/plain"] for d in r.data("display_data") + r.data())
+            row = next(line for line in out.splitlines() if line.startswith("1 "))
+            assert "stopped (signal)" in row, out
+            assert "rank 1 did not answer: stopped by a signal" in out and f"kill -CONT {pids[1]}" in out, out
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        h.ok("%%on_mesh\nrank", timeout=60)
+        assert h.value("list(_on_mesh.values())") == [0, 1, 2]

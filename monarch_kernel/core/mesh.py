@@ -13,7 +13,7 @@ import uuid
 from operator import attrgetter
 from typing import Generic, TypeVar
 
-from . import fanout, wire
+from . import fanout, silent_procs, wire
 from .actors import Actor, plain_methods
 from .channels import chained
 from .endpoint import (
@@ -291,14 +291,18 @@ class ProcMesh(_Sliceable):
                     rt.abandon(call_id)
                     got = {k: pending.results[i] for k, i in pending.index.items() if pending.answered[i]}
                     break
+        silent = [r for r in live if r.key not in got and not st.stopped]
+        said = silent_procs.os_states(silent, st.key) if silent else {}
         out = []
         for ref in refs:
             if ref.key in rt.dead or st.stopped:
                 out.append({"state": "dead", "pid": ref.pid, "host": ref.host, "rank": ref.rank})
+            elif ref.key in got:
+                out.append(got[ref.key])
             else:
-                out.append(got.get(ref.key, {"state": "unresponsive", "pid": ref.pid, "host": ref.host,
-                                             "rank": ref.rank,
-                                             "why": "no answer: native code may hold its GIL"}))
+                os_state = said.get(ref.key)
+                out.append({"state": "unresponsive", "pid": ref.pid, "host": ref.host, "rank": ref.rank,
+                            "os_state": os_state, "why": silent_procs.why(os_state, ref.pid)})
         return ValueMesh(view.extent, out)
 
     def dead_ranks(self) -> list[int]:

@@ -10,6 +10,7 @@ import time
 
 from IPython.core.error import UsageError
 
+from ..core import silent_procs
 from ..core.connection import list_meshes
 from ..core.mesh import ProcMesh, state_of, view_of
 from ..core.transport import pid_alive
@@ -208,6 +209,7 @@ def _status_table(ctx, procs) -> Table:
     if show_buffers:
         head.append("buffers")
     rows = []
+    silent: dict[str, list[int]] = {}   # why -> the ranks that did not answer for that reason
     dead = set(procs.dead_ranks())
     for ref, st in zip(procs.procs(), states, strict=False):
         u = usage.get(ref.key, {})
@@ -219,6 +221,9 @@ def _status_table(ctx, procs) -> Table:
             state, doing = "dead", ""
         else:
             state, doing = "alive", _state(raw)
+            if raw == "unresponsive":
+                doing = silent_procs.SHORT.get(st.get("os_state") or "", doing)
+                silent.setdefault(st.get("why") or silent_procs.BUSY, []).append(ref.rank)
         row = [ref.rank, st.get("host", ref.host), st.get("pid", ref.pid), state, doing,
                "" if u.get("cpu") is None else f"{u['cpu']:.0f}",
                "" if u.get("rss") is None else f"{u['rss'] / 2**20:.0f}", actors]
@@ -226,7 +231,9 @@ def _status_table(ctx, procs) -> Table:
             row.append(_buffers(st.get("buffers")))
         rows.append(row)
     dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
-    note = f"{rank_ranges(sorted(dead))} dead: `mesh.respawn()` replaces them" if dead else ""
+    notes = [f"{rank_ranges(sorted(dead))} dead: `mesh.respawn()` replaces them"] if dead else []
+    notes += [f"{rank_ranges(ranks)} did not answer: {why}" for why, ranks in silent.items()]
+    note = "\n".join(notes)
     title = f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})"
     if ctx.session.job is not None:
         from .jobs import describe_job

@@ -125,5 +125,5 @@ class Table:
         th = "".join(f"<th>{html.escape(h)}</th>" for h in self.head)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
                        for r in self.rows)
-        note = f"<div>{html.escape(self.note)}</div>" if self.note else ""
+        note = "".join(f"<div>{html.escape(line)}</div>" for line in self.note.split("\n")) if self.note else ""
         return f"<div><b>{html.escape(self.title)}</b><table><tr>{th}</tr>{body}</table>{note}</div>"

@@ -37,6 +37,7 @@ from .text_output import OutputOptions
 
 TICK_S = 0.1
 STOP_GRACE_S = 2.0
+_NATIVE = "a rank may be stuck in native code"   # why a rank did not stop, when its host names no cause
 WAIT_HOOKS: list[Callable[[_Run], None]] = []
 DONE_HOOKS: list[Callable[[_Run], None]] = []   # hook(run) when the cell ended, still in it
 # CELL_NAMERS: ``namer(body) -> (filename, lines_before_body) | None``; the first answer names
@@ -213,8 +214,9 @@ class _Run:
                 and state_of(self.procs).procs[r].key not in rt.dead]
         done = [r for r, (a, _) in zip(self.ranks, answered) if a]
         values = [v for _, v in answered]
-        groups = [(busy, "KeyboardInterrupt", f"{self.what} {self.reason}, but did not stop within "
-                   f"{STOP_GRACE_S:g} s (a rank may be stuck in native code)", "")]
+        groups = [(ranks, "KeyboardInterrupt", f"{self.what} {self.reason}, but did not stop within "
+                   f"{STOP_GRACE_S:g} s" + (f" ({why})" if why == _NATIVE else f": {why}"), "")
+                  for why, ranks in self._why_silent(busy).items()]
         for r, v in zip(self.ranks, values):   # ranks that answered with an error keep it
             if isinstance(v, (CellFailure, ActorError)):
                 groups.append(([r], getattr(v, "exc_type", "") or type(v).__name__, getattr(v, "message", str(v)),
@@ -224,6 +226,24 @@ class _Run:
                 + (f"; the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""))
         result = CellValues(view_of(self.target).extent, values, self.ranks)
         raise cell_error(groups, result, note=note, base=CellInterrupted)
+
+
+    def _why_silent(self, ranks: list[int]) -> dict[str, list[int]]:
+        """Why these ranks did not stop -> those ranks: their hosts say (a proc stopped by a
+        signal, held by a debugger, waiting on I/O; core/silent_procs.py), else native code."""
+        from ..core import silent_procs
+
+        st = state_of(self.procs)
+        refs = [st.procs[r] for r in ranks]
+        said = silent_procs.os_states(refs, st.key) if refs else {}
+        by_state: dict[str | None, list] = {}
+        for ref in refs:
+            by_state.setdefault(said.get(ref.key), []).append(ref)
+        out: dict[str, list[int]] = {}
+        for os_state, group in by_state.items():
+            why = silent_procs.why(os_state, [r.pid for r in group], busy=_NATIVE)
+            out.setdefault(why, []).extend(r.rank for r in group)
+        return out
 
 
 def values_after_death(run: _Run, err: SupervisionError) -> list | None:

@@ -582,6 +582,22 @@ class HostAgent:
             rows.append(row)
         self.reply(ident, req, True, rows)
 
+    def op_proc_states(self, ident, req, keys):
+        """The OS's word for each of these procs (psutil's status: running, sleeping, stopped,
+        tracing-stop, disk-sleep, zombie): why one that does not answer does not
+        (core/silent_procs.py)."""
+        import psutil
+
+        out = {}
+        for k in keys if isinstance(keys, list) else ():
+            p = self.procs.get(k) if isinstance(k, str) else None
+            if p is not None and p.state == "alive" and p.pid:
+                try:
+                    out[k] = psutil.Process(p.pid).status()
+                except psutil.Error:
+                    out[k] = "gone"
+        self.reply(ident, req, True, out)
+
     def op_shutdown(self, ident, req):
         self._stop_procs(list(self.procs.values()))
         self.reply(ident, req, True, None)

@@ -132,3 +132,36 @@ def test_a_rank_stopped_by_a_signal_is_named_so_with_the_command_that_resumes_it
             os.kill(pids[1], signal.SIGCONT)
         h.ok("%%on_mesh\nrank", timeout=60)
         assert h.value("list(_on_mesh.values())") == [0, 1, 2]
+
+
+def test_a_cell_whose_host_agent_is_stopped_says_to_wait_or_start_anew_and_its_ranks_come_back():
+    """kill -STOP of the host agent while a cell runs: after the host timeout the cell fails
+    with the host's own advice (its procs may only be stalled...), not "`mesh.respawn()`
+    replaces the dead procs", which needs a live host and would throw away the state that
+    comes back; after kill -CONT the ranks answer with their namespace."""
+    import os
+    import signal
+
+    import psutil
+
+    with kernel_with_mesh("kt-stopped-agent", "--procs 2") as h:
+        h.ok("%%on_mesh\nx = rank * 2")
+        kernel = psutil.Process(h.km.provisioner.process.pid)
+        [agent] = [p for p in kernel.children() if "node.agent" in " ".join(p.cmdline())]
+        msg = h.submit("%%on_mesh\nimport time; time.sleep(5); x")   # (replies direct: outlast the timeout)
+        time.sleep(0.3)
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            r = h.wait(msg, timeout=60)
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        text = r.stderr + str(r.error)
+        assert r.status == "error" and "host lost" in text and "may only be stalled" in text, text
+        assert "respawn()" not in text, text
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            r = h.run("%%on_mesh\nx", timeout=60)
+            if r.status == "ok":
+                break
+            time.sleep(0.5)
+        assert h.value("list(_on_mesh.values())") == [0, 2]

@@ -335,5 +335,10 @@ def rank_list(ranks) -> str:
 
 def supervision_message(err: SupervisionError) -> str:
     text = str(err).split(". Call respawn()")[0]
+    failure = getattr(err, "failure", None)
+    if str(getattr(failure, "reason", "")).startswith("host lost"):
+        # Its words say what to do (wait for a stalled host, or a new mesh): respawn() needs a
+        # live host, and a stalled one's procs come back with their state.
+        return f"{text}\n`%mesh status` shows the mesh"
     return (f"{text}\nThe other ranks keep their state; `mesh.respawn()` replaces the dead procs (with an "
             "empty namespace); `%mesh status` shows the mesh")

@@ -128,6 +128,12 @@ def test_a_rank_stopped_by_a_signal_is_named_so_with_the_command_that_resumes_it
             row = next(line for line in out.splitlines() if line.startswith("1 "))
             assert "stopped (signal)" in row, out
             assert "rank 1 did not answer: stopped by a signal" in out and f"kill -CONT {pids[1]}" in out, out
+            h.ok("%mesh top")   # (its first refresh is made before it is shown)
+            top = "[v for v in __import__('monarch_kernel.telemetry.top').telemetry.top.SHOWN if v.open][-1]"
+            text = h.value(f"{top}.text()")
+            assert " · 1 not answering · " in text.splitlines()[0], text
+            assert any(line.split()[:1] == ["1"] and "stopped (signal)" in line for line in text.splitlines()), text
+            h.ok(f"{top}.close()")
         finally:
             os.kill(pids[1], signal.SIGCONT)
         h.ok("%%on_mesh\nrank", timeout=60)

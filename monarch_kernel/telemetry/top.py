@@ -10,7 +10,7 @@ saved notebook shows in place of the widget.
 Past ``BIG_TABLE`` ranks (core/mesh_tables.py) a row a rank is a page of bars redrawn every
 second; there the view has a row a host (its ranks, how many in each state, CPU mean and
 busiest rank, memory total and largest rank) and then a row for each rank to look at (dead
-or paused), as the Mesh panel does; ``%mesh top --all`` keeps a row a rank.
+or paused, or not answering), as the Mesh panel does; ``%mesh top --all`` keeps a row a rank.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 
+from ..core import silent_procs
 from ..core.mesh_tables import BIG_TABLE, ranges
 
 MAX_RUN_S = 3600.0
@@ -43,7 +44,8 @@ class MeshTop:
         rows = []
         for ref, st in zip(self.procs.procs(), states):
             s = latest.get(ref.rank, {}) if st.get("state") != "dead" else {}
-            rows.append({"rank": ref.rank, "host": st.get("host", ref.host), "state": _state(st.get("state", "?")),
+            rows.append({"rank": ref.rank, "host": st.get("host", ref.host),
+                         "state": _state(st.get("state", "?"), st.get("os_state")),
                          "cpu": s.get("cpu_percent"), "rss_mb": s.get("rss_mb"), "uss_mb": s.get("uss_mb"),
                          "gpu_util": s.get("gpu_util"),
                          "gpu_mem_mb": s.get("gpu_mem_mb")})
@@ -55,9 +57,11 @@ class MeshTop:
         rows = self.rows
         dead = sum(r["state"] == "dead" for r in rows)
         paused = sum(r["state"].startswith("paused") for r in rows)
+        stuck = sum(r["state"] in STUCK for r in rows)
         cpu = sum(r["cpu"] or 0 for r in rows)
         mem = sum(r["rss_mb"] or 0 for r in rows)
-        extra = "".join([f" · {dead} dead" if dead else "", f" · {paused} paused" if paused else ""])
+        extra = "".join([f" · {dead} dead" if dead else "", f" · {paused} paused" if paused else "",
+                         f" · {stuck} not answering" if stuck else ""])
         own = f" · own {_own(rows):.0f} MiB" if any(r.get("uss_mb") is not None for r in rows) else ""
         return f"mesh {self.name} · {len(rows)} procs{extra} · CPU {cpu:.0f}% · RSS {mem:.0f} MiB{own}"
 
@@ -112,7 +116,8 @@ class MeshTop:
                        + (["GPU (mean)"] if gpu else []))
         body = []
         for h in hosts:
-            color = "#c62828" if "dead" in h["states"] else "#ef8f00" if "paused" in h["states"] else ""
+            color = "#c62828" if "dead" in h["states"] else "#ef8f00" if any(
+                _held(part.split(" ", 1)[-1]) for part in h["states"].split(" · ")) else ""
             cells = [html.escape(h["host"]), h["ranks"],
                      f"<span style='color:{color}'>{html.escape(h['states'])}</span>",
                      _bar(h["cpu_mean"], 100.0, f"{_num(h['cpu_mean'])}%, {h['cpu_top']}"),
@@ -130,7 +135,7 @@ class MeshTop:
                        ["rank", "host", "state", "CPU", "memory"] + (["GPU", "GPU memory"] if gpu else []))
         body = []
         for r in rows:
-            color = "#c62828" if r["state"] == "dead" else "#ef8f00" if r["state"].startswith("paused") else ""
+            color = "#c62828" if r["state"] == "dead" else "#ef8f00" if _held(r["state"]) else ""
             cells = [str(r["rank"]), html.escape(r["host"]),
                      f"<span style='color:{color}'>{html.escape(r['state'])}</span>",
                      _bar(r["cpu"], 100.0, f"{_num(r['cpu'])}%"),
@@ -226,8 +231,16 @@ def _own(rows: list[dict]) -> float:
 
 
 def attention(rows: list[dict]) -> list[dict]:
-    """The ranks a per-host view still shows one by one: dead or paused ones."""
-    return [r for r in rows if r["state"] == "dead" or r["state"].startswith("paused")]
+    """The ranks a per-host view still shows one by one: dead, paused, or not answering."""
+    return [r for r in rows if r["state"] == "dead" or _held(r["state"])]
+
+
+STUCK = {"unresponsive", *silent_procs.SHORT.values()}   # a rank that does not answer, and why
+
+
+def _held(state: str) -> bool:
+    """Paused in the debugger, or not answering (amber where dead is red)."""
+    return state.startswith("paused") or state in STUCK
 
 
 def _columns(head: list[str], body: list[list[str]]) -> list[str]:
@@ -235,7 +248,9 @@ def _columns(head: list[str], body: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in [head, *body]]
 
 
-def _state(s: str) -> str:
+def _state(s: str, os_state: str | None = None) -> str:
+    if s == "unresponsive":   # its host may say why: stopped by a signal, held by a tracer, ...
+        return silent_procs.SHORT.get(os_state or "", s)
     if s == "in __cells__.run":
         return "running cell"
     if s.startswith("in __cells__."):

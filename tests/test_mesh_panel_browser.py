@@ -171,9 +171,22 @@ def test_a_mesh_of_40_ranks_shows_a_row_a_host_its_dead_rank_apart_and_every_ran
         mesh.locator(".mk-proc").nth(39).wait_for(timeout=5_000)
         assert mesh.locator(".mk-host-line").count() == 2
         pid = int(mesh.locator(".mk-proc[data-rank='25']").get_attribute("data-pid"))
+        stopped = int(mesh.locator(".mk-proc[data-rank='24']").get_attribute("data-pid"))
         page.screenshot(path=str(shots / "mesh-big-1-all-ranks.png"))
         mesh.get_by_role("button", name="a row a host").click()
         mesh.locator(".mk-host").nth(1).wait_for(timeout=5_000)
+
+        # a rank stopped by a signal: its host's agent says so, amber, a row of its own; back on kill -CONT
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            page.wait_for_selector(f".mk-mesh[data-mesh='{big}'] .mk-look .mk-proc[data-rank='24']"
+                                   "[data-state='stopped (signal)']", timeout=15_000)
+            assert "1 stopped (signal)" in hosts.nth(1).text_content()
+            assert "mk-paused" in hosts.nth(1).get_attribute("class")
+            page.screenshot(path=str(shots / "mesh-big-2-stopped-rank.png"))
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        mesh.locator(".mk-look").wait_for(state="detached", timeout=15_000)
 
         # a killed rank: its host row says so, and the rank has a row of its own, dead
         os.kill(pid, signal.SIGKILL)
@@ -182,6 +195,6 @@ def test_a_mesh_of_40_ranks_shows_a_row_a_host_its_dead_rank_apart_and_every_ran
         assert "19 idle · 1 dead" in hosts.nth(1).text_content()
         assert "mk-dead" in hosts.nth(1).get_attribute("class")
         assert mesh.locator(".mk-proc").count() == 1
-        page.screenshot(path=str(shots / "mesh-big-2-dead-rank.png"))
+        page.screenshot(path=str(shots / "mesh-big-3-dead-rank.png"))
         mesh.get_by_role("button", name="stop").click()
         mesh.wait_for(state="detached", timeout=30_000)

@@ -6,7 +6,7 @@ import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/a
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
-import { api, counts, leaseText, MeshModel } from './model';
+import { api, counts, countsText, leaseText, MeshModel } from './model';
 import { MeshPanel } from './panel';
 
 /** The notebook panel in front, duck-typed (the notebook package is not a dependency). */
@@ -120,10 +120,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
         const c = counts(m);
         item.node.textContent =
-          `mesh ${m.name} · ${c.procs} procs` + (c.dead ? ` · ${c.dead} dead` : '') +
-          (c.paused ? ` · ${c.paused} paused` : '') + ` · ${leaseText(m)}`;
+          `mesh ${m.name} · ${c.procs} procs` + countsText(c) + ` · ${leaseText(m)}`;
         item.node.classList.toggle('mk-red', c.dead > 0);
-        item.node.classList.toggle('mk-amber', c.dead === 0 && c.paused > 0);
+        item.node.classList.toggle('mk-amber', c.dead === 0 && c.paused + c.stuck > 0);
         item.node.title = 'click: show the Mesh panel';
       };
       item.node.addEventListener('click', () => labShell.activateById(panel.id));

@@ -52,10 +52,25 @@ export async function api(path: string, init: RequestInit = {}): Promise<any> {
   return reply.json();
 }
 
-export function counts(m: IMesh): { procs: number; dead: number; paused: number } {
+/** States of a rank that does not answer, as its host's agent names them (core/silent_procs.py SHORT). */
+export const STUCK = new Set(['stopped (signal)', 'held by a tracer', 'waiting on I/O']);
+
+/** Paused in the debugger, or not answering: amber where dead is red. */
+export function held(state: string): boolean {
+  return state.startsWith('paused') || STUCK.has(state);
+}
+
+export function counts(m: IMesh): { procs: number; dead: number; paused: number; stuck: number } {
   const dead = m.procs.filter(p => p.state === 'dead').length;
   const paused = m.procs.filter(p => p.state.startsWith('paused')).length;
-  return { procs: m.procs.length, dead, paused };
+  const stuck = m.procs.filter(p => STUCK.has(p.state)).length;
+  return { procs: m.procs.length, dead, paused, stuck };
+}
+
+/** The header's words for what needs a look: `· 1 dead · 2 paused · 1 not answering`. */
+export function countsText(c: { dead: number; paused: number; stuck: number }): string {
+  return (c.dead ? ` · ${c.dead} dead` : '') + (c.paused ? ` · ${c.paused} paused` : '') +
+    (c.stuck ? ` · ${c.stuck} not answering` : '');
 }
 
 export function leaseText(m: IMesh): string {

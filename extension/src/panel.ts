@@ -5,12 +5,12 @@
  *
  * Past BIG ranks (as `%mesh top` and the tables of core/mesh_tables.py) a mesh shows a row a
  * host (its ranks and states, mean CPU, the memory its procs hold of their own) and then each
- * rank to look at (dead or paused): 256 rows of sparklines redrawn every second were a page
+ * rank to look at (dead, paused or not answering): 256 rows of sparklines redrawn every second were a page
  * of their own. "all N ranks" shows a row a rank, under a line per host, until asked back.
  */
 import { Widget } from '@lumino/widgets';
 
-import { counts, IMesh, IProc, leaseText, MeshModel, stateLabel } from './model';
+import { counts, countsText, held, IMesh, IProc, leaseText, MeshModel, stateLabel } from './model';
 
 export const BIG = 32; // ranks before a mesh shows a row a host
 
@@ -57,7 +57,7 @@ const num = (v: number | null | undefined, unit: string): string =>
 function procRow(p: IProc, gpu: boolean): string {
   const full = stateLabel(p.state);
   const state = p.state.startsWith('paused') ? 'paused' : full; // the full text is the tooltip
-  const cls = p.state === 'dead' ? 'mk-dead' : p.state.startsWith('paused') ? 'mk-paused' : '';
+  const cls = p.state === 'dead' ? 'mk-dead' : held(p.state) ? 'mk-paused' : '';
   return (
     `<tr class="mk-proc ${cls}" data-rank="${p.rank}" data-pid="${p.pid}" data-state="${esc(p.state)}" ` +
     `data-host="${esc(p.host)}"><td>${p.rank}</td>` +
@@ -113,7 +113,7 @@ function hostRow(host: string, procs: IProc[], gpu: boolean): string {
     states.set(s, (states.get(s) || 0) + 1);
   }
   const text = [...states.entries()].sort((a, b) => b[1] - a[1]).map(([s, n]) => `${n} ${s}`).join(' · ');
-  const cls = states.has('dead') ? 'mk-dead' : states.has('paused') ? 'mk-paused' : '';
+  const cls = states.has('dead') ? 'mk-dead' : [...states.keys()].some(held) ? 'mk-paused' : '';
   const cpu = procs.filter(p => p.cpu !== null && p.cpu !== undefined);
   const rss = procs.filter(p => p.rss_mb !== null && p.rss_mb !== undefined);
   const mean = cpu.length ? cpu.reduce((a, p) => a + (p.cpu as number), 0) / cpu.length : null;
@@ -154,7 +154,7 @@ function rankTable(procs: IProc[], gpu: boolean): string {
 
 function hostTable(procs: IProc[], gpu: boolean): string {
   const rows = [...byHost(procs).entries()].map(([host, ps]) => hostRow(host, ps, gpu)).join('');
-  const look = procs.filter(p => p.state === 'dead' || p.state.startsWith('paused'));
+  const look = procs.filter(p => p.state === 'dead' || held(p.state));
   return (
     `<table class="mk-procs mk-hosts"><tr><th>host</th><th>CPU</th><th>memory</th>${gpu ? '<th>GPU</th>' : ''}</tr>` +
     `${rows}</table>` +
@@ -170,7 +170,7 @@ function meshBlock(m: IMesh, mine: boolean, allRanks: boolean): string {
   const status = !m.alive
     ? 'not running'
     : `${c.procs} procs on ${m.hosts.length === 1 ? m.hosts[0] : `${m.hosts.length} hosts`}` +
-      (c.dead ? ` · ${c.dead} dead` : '') + (c.paused ? ` · ${c.paused} paused` : '') + ` · ${leaseText(m)}`;
+      countsText(c) + ` · ${leaseText(m)}`;
   const btn = (act: string, label: string, title: string, enabled = true) =>
     `<button class="jp-mod-styled mk-btn" data-action="${act}" data-mesh="${esc(m.name)}" title="${esc(title)}"` +
     `${enabled ? '' : ' disabled'}>${label}</button>`;

@@ -11,7 +11,10 @@ agent, on its host, asks the kernel (``/proc/PID/stat`` through psutil: the agen
 """
 from __future__ import annotations
 
-from .runtime import ProcRef, runtime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # (the runtime is imported where it is used: hosts' samplers read SHORT)
+    from .runtime import ProcRef
 
 # psutil's status -> what the user reads after "rank N is ..." ({pid}: the proc's pid)
 WHY = {
@@ -27,10 +30,12 @@ SHORT = {"stopped": "stopped (signal)", "tracing-stop": "held by a tracer", "dis
 BUSY = "native code may hold its GIL"
 
 
-def os_states(refs: list[ProcRef], key: bytes, timeout: float = 1.0) -> dict[str, str]:
+def os_states(refs: list["ProcRef"], key: bytes, timeout: float = 1.0) -> dict[str, str]:
     """proc key -> its host's word for it (psutil's status: 'running', 'sleeping',
     'stopped', 'tracing-stop', 'disk-sleep', ...), asked of each proc's agent at once; a
     proc whose agent does not answer within ``timeout`` is left out."""
+    from .runtime import runtime
+
     rt = runtime()
     by_agent: dict[str, list[str]] = {}
     for r in refs:

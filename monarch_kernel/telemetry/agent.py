@@ -29,6 +29,7 @@ import time
 
 from .. import config
 from ..core.messages import Ev
+from ..core.silent_procs import SHORT
 from .logs import log_dir, log_path, search
 from .sampler import ProcSampler
 
@@ -171,6 +172,9 @@ class AgentTelemetry:
             st.setdefault("state", "idle" if p.state == "alive" else p.state)
             if p.state != "alive":
                 st["state"] = p.state   # dead, starting or stopping: the agent knows best
+            elif self.sampler.os_state.get(p.pid) in SHORT:
+                st["state"] = SHORT[self.sampler.os_state[p.pid]]   # stopped by a signal, ...: its
+                # last report (idle, say) is not what it is now
             procs.append({"key": p.key, "mesh": p.mesh_name, "rank": p.rank, "pid": p.pid, **st})
         detached = time.monotonic() - a.controller_seen if a.controller is None else 0.0
         return {"procs": procs, "lease": a.lease, "detached_s": detached, "persistent": a.persistent,

@@ -101,12 +101,14 @@ class ProcSampler:
         self._ps: dict[int, psutil.Process] = {}
         self._uss: dict[int, float] = {}
         self._uss_at: dict[int, int] = {}   # pid -> the sample that read its USS
+        self.os_state: dict[int, str] = {}  # pid -> psutil's status at the last sample
         self._count = 0
 
     def forget(self, pid: int) -> None:
         self._ps.pop(pid, None)
         self._uss.pop(pid, None)
         self._uss_at.pop(pid, None)
+        self.os_state.pop(pid, None)
 
     def _uss_due(self, procs: list) -> set:
         """The pids whose USS this sample reads (see the module docstring)."""
@@ -137,6 +139,7 @@ class ProcSampler:
                     rss = ps.memory_info().rss / MB
                     threads = ps.num_threads()
                     fds = ps.num_fds()
+                    self.os_state[pid] = ps.status()   # (the same stat read: stopped, traced, in I/O)
                 if pid in uss_due:
                     self._uss[pid] = ps.memory_full_info().uss / MB
                     self._uss_at[pid] = self._count

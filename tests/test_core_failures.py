@@ -254,6 +254,27 @@ def test_killed_proc_shows_as_dead_in_proc_states_while_others_run(victims):
     assert states[0]["state"] == "dead" and states[1]["state"] == "in v.sleep", states
 
 
+def test_a_call_that_times_out_names_the_ranks_it_waits_for_and_states_says_why(victims):
+    """kill -STOP of one rank: ``get(timeout)`` says which rank of which mesh has not answered
+    (not only "did not finish"), and the ProcMesh's ``states()`` says it is stopped by a
+    signal and how to resume it (its host's agent reads the proc's state). After kill -CONT
+    the same future completes with both values."""
+    pm, v = victims
+    pid = pm.procs()[1].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        fut = v.sleep.call(0.01)
+        with pytest.raises(TimeoutError) as err:
+            fut.get(1.5)
+        assert "rank 1 of mesh 'victims' has not answered (1 of 2 have;" in str(err.value), err.value
+        st = pm.states().values()[1]
+        assert st["state"] == "unresponsive" and st["os_state"] == "stopped", st
+        assert f"`kill -CONT {pid}`" in st["why"], st
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert fut.get(30).values() == ["slept", "slept"]
+
+
 # ---------------------------------------------------------------- __supervise__ and unhandled failures
 def _spawn_supervised(handle: bool):
     sup_pm = this_host().spawn_procs(per_host={"gpus": 1}, name="supervisor")

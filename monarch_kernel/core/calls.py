@@ -18,6 +18,7 @@ from typing import Callable
 
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
+from .mesh_tables import ranges
 from .values import ValueMesh
 
 log = logging.getLogger("monarch_kernel")
@@ -312,6 +313,26 @@ class Calls:
             if p.future is fut:
                 return p
         return None
+
+    def waiting_for(self, fut: Future, where: Callable[[set], dict]) -> str:
+        """For a timed-out call: the members it still waits for, as ranks of their meshes
+        (``where(keys)``: key -> (mesh name, rank)), or "" when it is not a call."""
+        p = self.pending_of(fut)
+        if p is None:
+            return ""
+        keys, answered = p.keys, p.answered
+        missing = {k for k, a in zip(keys, answered) if not a}
+        if not missing:
+            return ""
+        by_mesh: dict[str, list[int]] = {}
+        for mesh, rank in where(missing).values():
+            by_mesh.setdefault(mesh, []).append(rank)
+        if not by_mesh:
+            return ""
+        parts = [f"{'rank' if len(r) == 1 else 'ranks'} {ranges(r)} of mesh '{mesh}'" for mesh, r in by_mesh.items()]
+        n = len(missing)
+        return (f"; {' and '.join(parts)} {'has' if n == 1 else 'have'} not answered ({len(keys) - n} of "
+                f"{len(keys)} have; the ProcMesh's `states()` says what each is doing, or why it does not answer)")
 
     def answered_so_far(self, fut: Future) -> list | None:
         """For a call still pending: per member, (True, value) if it replied, else (False,

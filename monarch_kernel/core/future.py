@@ -31,6 +31,18 @@ _new_state = tuple.__new__
 _Lock = threading.Lock
 
 
+# What a timed-out future still waits for, in words (``"; rank 1 of mesh 'm' has not answered
+# ..."``): the runtime installs it (core/calls.py), which knows a call's members; a plain
+# future has none. Cheap: ``get(timeout)`` in a polling loop makes one a timeout.
+_waiting_for = None
+
+
+def describe_waits_with(fn) -> None:
+    """``fn(future) -> str``, appended to a TimeoutError's message (or None: nothing)."""
+    global _waiting_for
+    _waiting_for = fn
+
+
 class Future(Generic[T]):
     __slots__ = ("_state", "_lock", "_cond", "_callbacks", "_what", "_waiter")
 
@@ -116,7 +128,13 @@ class Future(Generic[T]):
         self._waiter = waiter
 
     def timeout_error(self, timeout) -> TimeoutError:
-        return TimeoutError(f"{self._what} did not finish within {timeout} s; it is still running: "
+        waiting = ""
+        if _waiting_for is not None:
+            try:
+                waiting = _waiting_for(self)
+            except Exception:   # (words for a message: never what fails a get)
+                waiting = ""
+        return TimeoutError(f"{self._what} did not finish within {timeout} s{waiting}; it is still running: "
                             "get() again to wait more")
 
     def wait_briefly(self, seconds: float) -> None:

@@ -25,7 +25,7 @@ from .. import config
 from . import extensions, wire
 from .agent_links import HEARTBEAT_S, HOST_TIMEOUT_S, AgentLink, AgentLinks
 from .calls import Calls, PendingCall
-from .future import Future
+from .future import Future, describe_waits_with
 from .inbox import Inbox
 from .messages import Died, Output, Replaced, Replies, Reply, Unhandled, Wake
 from .transport import (
@@ -169,6 +169,16 @@ class Runtime:
             self.procs.pop(r.key, None)
         self.transport.forget(refs)
 
+    def where(self, keys: set) -> dict[str, tuple[str, int]]:
+        """key -> (its mesh's name, its rank) for those of ``keys`` this process knows (one
+        pass over the meshes: a call to 256 may wait for 256 of them)."""
+        out = {}
+        for st in list(self.mesh_states.values()):
+            for r in st.procs:
+                if r.key in keys:
+                    out[r.key] = (st.name, r.rank)
+        return out
+
     def mesh_name_of(self, key: str) -> str:
         for st in self.mesh_states.values():
             if any(r.key == key for r in st.procs):
@@ -289,3 +299,12 @@ def current_runtime() -> Runtime | None:
 def install_runtime(rt: Runtime) -> None:
     global _runtime
     _runtime = rt
+
+
+def _waiting_for(fut: Future) -> str:
+    """What a timed-out call still waits for (core/future.py puts it in the TimeoutError)."""
+    rt = current_runtime()
+    return "" if rt is None else rt.calls.waiting_for(fut, rt.where)
+
+
+describe_waits_with(_waiting_for)

@@ -43,6 +43,33 @@ def describe_waits_with(fn) -> None:
     _waiting_for = fn
 
 
+class CallTimeout(TimeoutError):
+    """``get(timeout)`` ran out. Its words (which members a call still waits for) are made
+    when it is first read, not when it is raised: code that polls with short timeouts (a
+    cell's wait, ``states()``) raises and catches many and reads none."""
+
+    def __init__(self, fut: Future, timeout):
+        super().__init__(f"{fut.what} did not finish within {timeout} s; it is still running: "
+                         "get() again to wait more")
+        self._fut, self._timeout, self._text = fut, timeout, None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            waiting = ""
+            if _waiting_for is not None:
+                try:
+                    waiting = _waiting_for(self._fut)
+                except Exception:   # (words for a message: never what fails)
+                    waiting = ""
+            self._text = (f"{self._fut.what} did not finish within {self._timeout} s{waiting}; it is still "
+                          "running: get() again to wait more")
+            self._fut = None   # (read once: the future need not live as long as the error)
+        return self._text
+
+    def __reduce__(self):   # sent from an actor to its caller: a TimeoutError with these words
+        return TimeoutError, (str(self),)
+
+
 class Future(Generic[T]):
     __slots__ = ("_state", "_lock", "_cond", "_callbacks", "_what", "_waiter")
 
@@ -128,14 +155,7 @@ class Future(Generic[T]):
         self._waiter = waiter
 
     def timeout_error(self, timeout) -> TimeoutError:
-        waiting = ""
-        if _waiting_for is not None:
-            try:
-                waiting = _waiting_for(self)
-            except Exception:   # (words for a message: never what fails a get)
-                waiting = ""
-        return TimeoutError(f"{self._what} did not finish within {timeout} s{waiting}; it is still running: "
-                            "get() again to wait more")
+        return CallTimeout(self, timeout)
 
     def wait_briefly(self, seconds: float) -> None:
         """Block up to ``seconds`` for a resolution by another thread."""

@@ -52,6 +52,7 @@ class AgentLink:
         self.unanswered = 0    # heartbeats sent since the agent was last heard
         self.watched = False   # heartbeat it and declare it lost on silence
         self.lost = False      # silent past HOST_TIMEOUT_S; heartbeats go on, so it can come back
+        self.gone = False      # lost because its process exited (an agent of this machine): it cannot
         self.lost_since = 0.0
         self.lost_errors: dict[str, SupervisionError] = {}   # procs failed because of the silence
         self.failed_while_lost: list[str] = []   # what failed because of it (calls, requests)
@@ -262,7 +263,7 @@ class AgentLinks:
             # Silence counts only if we really asked: an I/O thread starved of the GIL (a long
             # pickle on the main thread) sent no heartbeats and must not declare a host lost.
             if gone or (silent > HOST_TIMEOUT_S and link.unanswered >= 4 and not load):
-                link.lost = True
+                link.lost, link.gone = True, gone
                 link.lost_since = link.last_seen
                 self._host_lost(link, now - link.last_seen, gone)
 
@@ -304,7 +305,7 @@ class AgentLinks:
         its answer lists the procs that really died)."""
         rt = self.rt
         silent = now - link.lost_since
-        link.lost = False
+        link.lost = link.gone = False
         self._tell_hooks(link.addr, False)
         back = [k for k, err in link.lost_errors.items() if rt.dead.get(k) is err]
         for k in back:

@@ -243,7 +243,8 @@ class NotConnected(Exception):
 
 
 def host_alive(hm: HostMesh | None) -> bool:
-    """The host mesh's local agent still runs and its link is not declared lost."""
+    """Is the host mesh still there: an agent that exited is gone, one lost by silence only
+    stalled (its procs and their state come back when it answers)."""
     if hm is None or hm.detached:
         return False
     proc = hm.local_process
@@ -257,12 +258,17 @@ def host_alive(hm: HostMesh | None) -> bool:
     for a in agents:
         link = rt.agents.get(a["addr"])
         pid = a.get("pid")
-        if link is not None and link.lost:
+        if link is not None and link.gone:   # its process exited
             gone += 1
-        elif pid and pid != child:
-            here = here or socket.gethostname()
-            if a.get("host") == here and not pid_alive(pid):
+            continue
+        here = here or socket.gethostname()
+        if pid and a.get("host") == here:
+            # An agent of this machine is gone when its process is: one whose link is lost by
+            # silence (stopped, starved) comes back with its procs' state.
+            if pid != child and not pid_alive(pid):
                 gone += 1
+        # (another machine's, lost by silence: stalled or gone, only its job can tell; its
+        # ranks' calls fail meanwhile, saying so)
     # A mesh of several hosts that lost some keeps its other hosts' ranks (and their state).
     return gone == 0 or (len(agents) > 1 and gone < len(agents))
 

@@ -32,8 +32,8 @@ _Lock = threading.Lock
 
 
 # What a timed-out future still waits for, in words (``"; rank 1 of mesh 'm' has not answered
-# ..."``): the runtime installs it (core/calls.py), which knows a call's members; a plain
-# future has none. Cheap: ``get(timeout)`` in a polling loop makes one a timeout.
+# ..."``): core/runtime.py installs it (the words are core/calls.py's, which knows a call's
+# members); a future that is not a call gets none. Called only when a CallTimeout is read.
 _waiting_for = None
 
 

@@ -167,6 +167,12 @@ def test_a_cell_whose_host_agent_is_stopped_says_to_wait_or_start_anew_and_its_r
             r = h.run("%%on_mesh\nx", timeout=60)
             text = r.stderr + str(r.error)
             assert r.status == "error" and "may only be stalled" in text and "is gone" not in text, text
+            # %mesh status: unreachable, not dead (and no respawn, which needs a live host)
+            r = h.ok("%mesh status", timeout=30)
+            out = r.stdout + "".join(d["data"]["text/plain"] for d in r.data("display_data") + r.data())
+            rows = [line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ")]
+            assert [row[3] for row in rows] == ["unreachable", "unreachable"], out
+            assert "ranks 0-1 unreachable: its host's agent is silent" in out and "respawn" not in out, out
         finally:
             os.kill(agent.pid, signal.SIGCONT)
         deadline, tries = time.monotonic() + 20, []

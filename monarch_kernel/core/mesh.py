@@ -295,7 +295,10 @@ class ProcMesh(_Sliceable):
         said = silent_procs.os_states(silent, st.key) if silent else {}
         out = []
         for ref in refs:
-            if ref.key in rt.dead or st.stopped:
+            if ref.key in rt.dead and not st.stopped and silent_procs.host_silent(rt, ref):
+                out.append({"state": "unreachable", "pid": ref.pid, "host": ref.host, "rank": ref.rank,
+                            "why": silent_procs.UNREACHABLE})
+            elif ref.key in rt.dead or st.stopped:
                 out.append({"state": "dead", "pid": ref.pid, "host": ref.host, "rank": ref.rank})
             elif ref.key in got:
                 out.append(got[ref.key])

@@ -210,6 +210,7 @@ def _status_table(ctx, procs) -> Table:
         head.append("buffers")
     rows = []
     silent: dict[str, list[int]] = {}   # why -> the ranks that did not answer for that reason
+    unreachable: list[int] = []           # ranks on a host whose agent is silent
     dead = set(procs.dead_ranks())
     for ref, st in zip(procs.procs(), states, strict=False):
         u = usage.get(ref.key, {})
@@ -217,6 +218,10 @@ def _status_table(ctx, procs) -> Table:
         raw = st.get("state", "?")
         if state_of(procs).stopped:
             state, doing = "stopped", ""
+        elif raw == "unreachable":   # its host is silent: it may come back with its state
+            state, doing = "unreachable", ""
+            dead.discard(ref.rank)
+            unreachable.append(ref.rank)
         elif ref.rank in dead or raw == "dead":
             state, doing = "dead", ""
         else:
@@ -232,6 +237,8 @@ def _status_table(ctx, procs) -> Table:
         rows.append(row)
     dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
     notes = [f"{rank_ranges(sorted(dead))} dead: `mesh.respawn()` replaces them"] if dead else []
+    if unreachable:
+        notes.append(f"{rank_ranges(unreachable)} unreachable: {silent_procs.UNREACHABLE}")
     notes += [f"{rank_ranges(ranks)} did not answer: {why}" for why, ranks in silent.items()]
     note = "\n".join(notes)
     title = f"mesh {ctx.session.name!r}: {len(procs)} procs ({dims})"

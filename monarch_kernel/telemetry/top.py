@@ -235,7 +235,7 @@ def attention(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["state"] == "dead" or _held(r["state"])]
 
 
-STUCK = {"unresponsive", *silent_procs.SHORT.values()}   # a rank that does not answer, and why
+STUCK = {"unresponsive", "unreachable", *silent_procs.SHORT.values()}   # a rank that does not answer, and why
 
 
 def _held(state: str) -> bool:

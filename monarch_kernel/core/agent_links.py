@@ -20,7 +20,7 @@ import zmq
 
 from .. import config
 from . import curve, wire
-from .errors import HostUnreachableError, MeshFailure, SupervisionError
+from .errors import HOST_LOST, HostUnreachableError, MeshFailure, SupervisionError
 from .future import Future
 from .host_liveness import LocalAgentWatch
 from .messages import Ev, Rep, Req
@@ -52,7 +52,7 @@ class AgentLink:
         self.unanswered = 0    # heartbeats sent since the agent was last heard
         self.watched = False   # heartbeat it and declare it lost on silence
         self.lost = False      # silent past HOST_TIMEOUT_S; heartbeats go on, so it can come back
-        self.gone = False      # lost because its process exited (an agent of this machine): it cannot
+        self.gone = False      # lost because its process exited (an agent of this machine): for good
         self.lost_since = 0.0
         self.lost_errors: dict[str, SupervisionError] = {}   # procs failed because of the silence
         self.failed_while_lost: list[str] = []   # what failed because of it (calls, requests)
@@ -286,7 +286,7 @@ class AgentLinks:
         for key, (ref, _) in list(rt.procs.items()):
             if ref.agent == link.addr and key not in rt.dead:
                 rt.proc_failed(key, MeshFailure(rt.mesh_name_of(key), ref.rank, ref.host, ref.pid,
-                                                f"host lost: {why}", key), hint=hint)
+                                                f"{HOST_LOST}: {why}", key), hint=hint)
                 link.lost_errors[key] = rt.dead[key]
         after = rt.calls.whats_pending()
         link.failed_while_lost.extend(w for i, w in before.items() if i not in after)

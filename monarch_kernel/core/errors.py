@@ -72,6 +72,9 @@ def _rebuild_actor_error(message, rank, host, exc_type, tb, actor, cause=None):
     return err
 
 
+HOST_LOST = "host lost"   # how a MeshFailure's reason starts when its host's agent was lost
+
+
 class MeshFailure:
     """What went wrong with a mesh, as given to ``Actor.__supervise__`` and carried by
     SupervisionError: which mesh, which rank on which host, and why."""

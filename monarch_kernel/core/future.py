@@ -49,9 +49,12 @@ class CallTimeout(TimeoutError):
     cell's wait, ``states()``) raises and catches many and reads none."""
 
     def __init__(self, fut: Future, timeout):
-        super().__init__(f"{fut.what} did not finish within {timeout} s; it is still running: "
-                         "get() again to wait more")
+        super().__init__(self._words(fut, timeout, ""))
         self._fut, self._timeout, self._text = fut, timeout, None
+
+    @staticmethod
+    def _words(fut: Future, timeout, waiting: str) -> str:
+        return f"{fut.what} did not finish within {timeout} s{waiting}; it is still running: get() again to wait more"
 
     def __str__(self) -> str:
         if self._text is None:
@@ -61,8 +64,7 @@ class CallTimeout(TimeoutError):
                     waiting = _waiting_for(self._fut)
                 except Exception:   # (words for a message: never what fails)
                     waiting = ""
-            self._text = (f"{self._fut.what} did not finish within {self._timeout} s{waiting}; it is still "
-                          "running: get() again to wait more")
+            self._text = self._words(self._fut, self._timeout, waiting)
             self._fut = None   # (read once: the future need not live as long as the error)
         return self._text
 

@@ -62,6 +62,19 @@ def os_states(refs: list["ProcRef"], key: bytes, timeout: float = 1.0) -> dict[s
     return out
 
 
+def reasons(refs: list["ProcRef"], key: bytes, busy: str = BUSY) -> dict[str, list[int]]:
+    """Why these procs do not answer -> their ranks, one entry per cause their hosts name
+    (``busy`` for those whose host names none)."""
+    said = os_states(refs, key) if refs else {}
+    by_state: dict[str | None, list] = {}
+    for ref in refs:
+        by_state.setdefault(said.get(ref.key), []).append(ref)
+    out: dict[str, list[int]] = {}
+    for os_state, group in by_state.items():
+        out.setdefault(why(os_state, [r.pid for r in group], busy), []).extend(r.rank for r in group)
+    return out
+
+
 def why(os_state: str | None, pids: int | list[int], busy: str = BUSY) -> str:
     """The sentence for procs that did not answer, given their host's word for them (one
     word for all of ``pids``); ``busy`` where it names no cause but running code."""

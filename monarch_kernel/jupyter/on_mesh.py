@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 from monarch_kernel import config
 
-from ..core.errors import ActorError, SupervisionError
+from ..core import silent_procs
+from ..core.errors import HOST_LOST, ActorError, SupervisionError
 from ..core.mesh import ActorMesh, ProcMesh, state_of, view_of
 from ..core.shape import MeshView, parse_rank_spec
 from ..node.cells import CellFailure
@@ -210,13 +211,13 @@ class _Run:
         rt = runtime()
         # Only the ranks that have not answered are stuck; the others' values are kept.
         answered = rt.answered_so_far(self.future) or [(False, None)] * len(self.ranks)
-        busy = [r for r, (a, _) in zip(self.ranks, answered) if not a
-                and state_of(self.procs).procs[r].key not in rt.dead]
+        st = state_of(self.procs)
+        busy = [r for r, (a, _) in zip(self.ranks, answered) if not a and st.procs[r].key not in rt.dead]
         done = [r for r, (a, _) in zip(self.ranks, answered) if a]
         values = [v for _, v in answered]
         groups = [(ranks, "KeyboardInterrupt", f"{self.what} {self.reason}, but did not stop within "
                    f"{STOP_GRACE_S:g} s" + (f" ({why})" if why == _NATIVE else f": {why}"), "")
-                  for why, ranks in self._why_silent(busy).items()]
+                  for why, ranks in silent_procs.reasons([st.procs[r] for r in busy], st.key, _NATIVE).items()]
         for r, v in zip(self.ranks, values):   # ranks that answered with an error keep it
             if isinstance(v, (CellFailure, ActorError)):
                 groups.append(([r], getattr(v, "exc_type", "") or type(v).__name__, getattr(v, "message", str(v)),
@@ -226,24 +227,6 @@ class _Run:
                 + (f"; the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""))
         result = CellValues(view_of(self.target).extent, values, self.ranks)
         raise cell_error(groups, result, note=note, base=CellInterrupted)
-
-
-    def _why_silent(self, ranks: list[int]) -> dict[str, list[int]]:
-        """Why these ranks did not stop -> those ranks: their hosts say (a proc stopped by a
-        signal, held by a debugger, waiting on I/O; core/silent_procs.py), else native code."""
-        from ..core import silent_procs
-
-        st = state_of(self.procs)
-        refs = [st.procs[r] for r in ranks]
-        said = silent_procs.os_states(refs, st.key) if refs else {}
-        by_state: dict[str | None, list] = {}
-        for ref in refs:
-            by_state.setdefault(said.get(ref.key), []).append(ref)
-        out: dict[str, list[int]] = {}
-        for os_state, group in by_state.items():
-            why = silent_procs.why(os_state, [r.pid for r in group], busy=_NATIVE)
-            out.setdefault(why, []).extend(r.rank for r in group)
-        return out
 
 
 def values_after_death(run: _Run, err: SupervisionError) -> list | None:
@@ -336,7 +319,7 @@ def rank_list(ranks) -> str:
 def supervision_message(err: SupervisionError) -> str:
     text = str(err).split(". Call respawn()")[0]
     failure = getattr(err, "failure", None)
-    if str(getattr(failure, "reason", "")).startswith("host lost"):
+    if str(getattr(failure, "reason", "")).startswith(HOST_LOST):
         # Its words say what to do (wait for a stalled host, or a new mesh): respawn() needs a
         # live host, and a stalled one's procs come back with their state.
         return f"{text}\n`%mesh status` shows the mesh"

@@ -260,15 +260,13 @@ def host_alive(hm: HostMesh | None) -> bool:
         pid = a.get("pid")
         if link is not None and link.gone:   # its process exited
             gone += 1
-            continue
-        here = here or socket.gethostname()
-        if pid and a.get("host") == here:
-            # An agent of this machine is gone when its process is: one whose link is lost by
-            # silence (stopped, starved) comes back with its procs' state.
-            if pid != child and not pid_alive(pid):
+        elif pid and pid != child:
+            # An agent of this machine is gone when its process is; a link lost by silence
+            # alone (stopped, starved, or on another machine: only its job can tell) is a
+            # stalled host, whose procs come back with their state.
+            here = here or socket.gethostname()
+            if a.get("host") == here and not pid_alive(pid):
                 gone += 1
-        # (another machine's, lost by silence: stalled or gone, only its job can tell; its
-        # ranks' calls fail meanwhile, saying so)
     # A mesh of several hosts that lost some keeps its other hosts' ranks (and their state).
     return gone == 0 or (len(agents) > 1 and gone < len(agents))
 

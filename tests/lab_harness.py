@@ -42,6 +42,20 @@ def screenshots_dir() -> Path:
     return SCREENSHOTS_TMP
 
 
+def wait_for_text(locator, text: str, timeout: float = 30) -> str:
+    """The locator's inner text once it holds ``text`` (or as it stands at the deadline).
+
+    A debugger pane shows the echoed command at once and the rank's answer a moment later:
+    waiting for the echo and then reading the answer raced (round 19's CI).
+    """
+    deadline = time.monotonic() + timeout
+    seen = locator.inner_text()
+    while text not in seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = locator.inner_text()
+    return seen
+
+
 def write_notebook(path: Path, cells: list[str]) -> None:
     nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
                     for src in cells],

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from lab_harness import READY, browser, jupyter_lab, needs_chromium, write_notebook
+from lab_harness import READY, browser, jupyter_lab, needs_chromium, wait_for_text, write_notebook
 
 MESH = "kt-debug-browser"
 CELLS = [
@@ -60,7 +60,7 @@ def test_widget_in_jupyterlab_drives_a_paused_rank_until_the_cell_finishes(lab, 
             page.get_by_role("button", name="send", exact=True).click()
             pane = page.locator(".monarch-debugger-pane", has_text="(rank 1 pdb) p x")
             pane.first.wait_for(timeout=30_000)
-            assert "(rank 1 pdb) p x\n10" in pane.first.inner_text()
+            assert "(rank 1 pdb) p x\n10" in wait_for_text(pane.first, "(rank 1 pdb) p x\n10")
             page.screenshot(path=str(shots / "debug-2-command.png"))
 
             page.get_by_role("button", name="continue", exact=True).click()

@@ -12,7 +12,7 @@ import json
 import time
 
 import pytest
-from lab_harness import READY, RUN_ALL, needs_chromium, notebook_page, screenshots_dir
+from lab_harness import READY, RUN_ALL, needs_chromium, notebook_page, screenshots_dir, wait_for_text
 
 MESH = "kt-nb-browser"
 CELLS = [
@@ -71,27 +71,29 @@ def test_figures_of_many_ranks_are_tabs_and_a_tab_switches(page):
 def test_debugger_widget_enter_rank_switch_and_busy_indicator(page):
     rows = page.locator(".monarch-debugger-row")
     rows.nth(1).wait_for(timeout=90_000)   # ranks 0 and 1 paused
-    select = page.locator(".monarch-debugger select")
-    select.select_option(index=1)   # rank 1 in the list ...
-    page.locator('.monarch-debugger-pane[data-rank="1"]').wait_for(timeout=10_000)   # ... switches the pane
-    box = page.get_by_placeholder("pdb command for the selected ranks")
-    box.fill("p x")
-    box.press("Enter")   # was: "type a pdb command first"; a second Enter worked
-    pane = page.locator('.monarch-debugger-pane[data-rank="1"]', has_text="(rank 1 pdb) p x")
-    pane.wait_for(timeout=30_000)
-    assert "(rank 1 pdb) p x\n10" in pane.inner_text()
-    assert "type a pdb command first" not in page.locator(".monarch-debugger").inner_text()
-    states = []
-    for _ in range(10):   # the cell still runs: JupyterLab must say busy, not idle
-        states.append(page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
-                                    ".session.kernel.status"))
-        time.sleep(0.1)
-    assert set(states) == {"busy"}, states
-    page.locator(".monarch-debugger").scroll_into_view_if_needed()
-    shot(page, "3-debugger")
-    setting_state = [e for e in page.console_errors if "Error setting state" in e]
-    assert not setting_state, setting_state   # was: "Cannot set properties of undefined (setting 'selected')"
-    page.get_by_role("button", name="continue all", exact=True).click()
+    try:
+        select = page.locator(".monarch-debugger select")
+        select.select_option(index=1)   # rank 1 in the list ...
+        page.locator('.monarch-debugger-pane[data-rank="1"]').wait_for(timeout=10_000)   # ... switches the pane
+        box = page.get_by_placeholder("pdb command for the selected ranks")
+        box.fill("p x")
+        box.press("Enter")   # was: "type a pdb command first"; a second Enter worked
+        pane = page.locator('.monarch-debugger-pane[data-rank="1"]', has_text="(rank 1 pdb) p x")
+        pane.wait_for(timeout=30_000)
+        assert "(rank 1 pdb) p x\n10" in wait_for_text(pane, "(rank 1 pdb) p x\n10")
+        assert "type a pdb command first" not in page.locator(".monarch-debugger").inner_text()
+        states = []
+        for _ in range(10):   # the cell still runs: JupyterLab must say busy, not idle
+            states.append(page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
+                                        ".session.kernel.status"))
+            time.sleep(0.1)
+        assert set(states) == {"busy"}, states
+        page.locator(".monarch-debugger").scroll_into_view_if_needed()
+        shot(page, "3-debugger")
+        setting_state = [e for e in page.console_errors if "Error setting state" in e]
+        assert not setting_state, setting_state   # was: "Cannot set properties of undefined (setting 'selected')"
+    finally:   # the ranks go on even when a check above fails: the next test needs the kernel idle
+        page.get_by_role("button", name="continue all", exact=True).click()
     page.get_by_text("finished 1 11").first.wait_for(timeout=30_000)
     page.get_by_text(f"mesh '{MESH}' stopped").first.wait_for(timeout=60_000)
 

@@ -28,6 +28,21 @@ WHY = {
 SHORT = {"stopped": "stopped (signal)", "tracing-stop": "held by a tracer", "disk-sleep": "waiting on I/O",
          "zombie": "exited"}
 BUSY = "native code may hold its GIL"
+_CELLS = "__cells__"   # jupyter.session.CELL_ACTOR (core imports no feature)
+
+
+def doing(state: str, os_state: str | None = None) -> str:
+    """A proc's state (``ProcMesh.states()``) as ``%mesh status`` and ``%mesh top`` show what it
+    is doing: a cell, an endpoint, or, when it does not answer, its host's word for why."""
+    if state == "unresponsive":
+        return SHORT.get(os_state or "", state)
+    if state == f"in {_CELLS}.run":
+        return "running cell"
+    if state.startswith(f"in {_CELLS}."):
+        return "busy (push/pull)"
+    if state.startswith("in "):
+        return f"in endpoint {state[3:]}"
+    return state
 # A proc whose host's agent went silent (stopped, starved, cut off): failed for now, not dead.
 UNREACHABLE = ("its host's agent is silent: if it answers again this proc comes back with its state; "
                "if not, stop the mesh and start a new one")

@@ -225,9 +225,8 @@ def _status_table(ctx, procs) -> Table:
         elif ref.rank in dead or raw == "dead":
             state, doing = "dead", ""
         else:
-            state, doing = "alive", _state(raw)
+            state, doing = "alive", silent_procs.doing(raw, st.get("os_state"))
             if raw == "unresponsive":
-                doing = silent_procs.SHORT.get(st.get("os_state") or "", doing)
                 silent.setdefault(st.get("why") or silent_procs.BUSY, []).append(ref.rank)
         row = [ref.rank, st.get("host", ref.host), st.get("pid", ref.pid), state, doing,
                "" if u.get("cpu") is None else f"{u['cpu']:.0f}",
@@ -247,16 +246,6 @@ def _status_table(ctx, procs) -> Table:
 
         title += f"; {describe_job(ctx.session.job, ctx.session.job_mesh)}"
     return Table(title, head, rows, note)
-
-
-def _state(s: str) -> str:
-    if s == f"in {CELL_ACTOR}.run":
-        return "running cell"
-    if s.startswith(f"in {CELL_ACTOR}."):
-        return "busy (push/pull)"
-    if s.startswith("in "):
-        return f"in endpoint {s[3:]}"
-    return s
 
 
 def _buffers(b) -> str:

@@ -45,7 +45,7 @@ class MeshTop:
         for ref, st in zip(self.procs.procs(), states):
             s = latest.get(ref.rank, {}) if st.get("state") != "dead" else {}
             rows.append({"rank": ref.rank, "host": st.get("host", ref.host),
-                         "state": _state(st.get("state", "?"), st.get("os_state")),
+                         "state": silent_procs.doing(st.get("state", "?"), st.get("os_state")),
                          "cpu": s.get("cpu_percent"), "rss_mb": s.get("rss_mb"), "uss_mb": s.get("uss_mb"),
                          "gpu_util": s.get("gpu_util"),
                          "gpu_mem_mb": s.get("gpu_mem_mb")})
@@ -246,18 +246,6 @@ def _held(state: str) -> bool:
 def _columns(head: list[str], body: list[list[str]]) -> list[str]:
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     return ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in [head, *body]]
-
-
-def _state(s: str, os_state: str | None = None) -> str:
-    if s == "unresponsive":   # its host may say why: stopped by a signal, held by a tracer, ...
-        return silent_procs.SHORT.get(os_state or "", s)
-    if s == "in __cells__.run":
-        return "running cell"
-    if s.startswith("in __cells__."):
-        return "busy (push/pull)"
-    if s.startswith("in "):
-        return f"in endpoint {s[3:]}"
-    return s
 
 
 def _num(v) -> str:

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 from kernel_harness import KernelHarness
 
@@ -85,18 +86,42 @@ def test_a_mesh_whose_agent_is_gone_says_so_and_connect_starts_a_new_one(k):
     with open(os.path.join(k.home, "meshes", f"{name}.json")) as f:
         pid = json.load(f)["agents"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_gone(pid)
     r = k.run("%%on_mesh\nrank")
     assert r.status == "error"
     assert f"mesh '{name}' is gone" in r.stderr and f"`%mesh connect {name}`" in r.stderr
+    # killed with no word in its log: what is lost, and where its log is
+    assert "(its procs and their state are lost); its log: " in r.stderr and "zygote" not in r.stderr, r.stderr
     assert "gone" in k.ok("%mesh list").result.split(name)[1].splitlines()[0]
     r = k.ok("%mesh connect --procs 2", timeout=120)
     assert "started" in r.stdout
     assert "rank 1: 1" in k.ok("%on_mesh rank").result
     assert "rank 1: False" in k.ok("%on_mesh 'kept' in globals()").result
+
+
+def _wait_gone(pid: int, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, f"pid {pid} still runs"
+        time.sleep(0.05)
+
+
+def test_a_mesh_whose_zygote_was_killed_says_why_it_is_gone(k):
+    """The zygote forks and reaps a host's procs, which die with it, and the agent stops: the
+    notebook said only "its host agent no longer runs"; now why, from the agent's log."""
+    name = default_name()
+    with open(os.path.join(k.home, "meshes", f"{name}.json")) as f:
+        agent = json.load(f)["agents"][0]["pid"]
+    zygote = next(c for c in psutil.Process(agent).children() if "zygote" in " ".join(c.cmdline()))
+    zygote.kill()
+    _wait_gone(agent)
+    r = k.run("%%on_mesh\nrank")
+    assert r.status == "error" and f"mesh '{name}' is gone" in r.stderr, r.stderr
+    assert f"the zygote (pid {zygote.pid}, the process that forks this host's procs) was killed by SIGKILL" \
+        in r.stderr, r.stderr
+    assert "the 2 procs it forked died with it" in r.stderr and "its log: " in r.stderr, r.stderr
+    r = k.ok("%mesh connect --procs 2", timeout=120)   # a new one starts (the fixture stops it)
+    assert "rank 1: 1" in k.ok("%on_mesh rank").result
 
 
 def test_stop_ends_procs_and_agent(k):

@@ -26,7 +26,7 @@ from ..core.errors import MeshGoneError
 from ..core.hosts import HostMesh, this_host
 from ..core.mesh import ActorMesh, ProcMesh
 from ..core.runtime import runtime
-from ..core.transport import pid_alive
+from ..core.transport import pid_alive, pid_space
 
 log = logging.getLogger("monarch_kernel.jupyter")
 
@@ -53,6 +53,22 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"bad duration {text!r}: use seconds (90) or a number with s, m, h or d (15m, 2h)")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
+
+
+def _agent_last_words(hm: HostMesh) -> str:
+    """Why a mesh's agent stopped, from its log when it ran here (its zygote was killed, ...),
+    and the log's path: the notebook user has no other way to learn it."""
+    lost = " (its procs and their state are lost)"
+    pairs = hm.agents_and_infos()
+    if len(pairs) != 1 or pairs[0][1].get("pid_space") != pid_space():
+        return lost
+    from ..launch.local import last_words
+
+    said = last_words(hm.name, pairs[0][1].get("pid"))
+    if said is None:
+        return lost
+    why, log = said
+    return f": {why}; its log: {log}" if why else f"{lost}; its log: {log}"
 
 class MeshSession:
     """What ``%mesh`` and ``%%on_mesh`` act on. One per kernel (``session()``)."""
@@ -170,10 +186,10 @@ class MeshSession:
         if state_of(self.procs).stopped:
             raise NotConnected(f"mesh {self.name!r} was stopped: `%mesh connect {self.name}` starts it again")
         if not host_alive(self.host):
-            name = self.name
+            name, why = self.name, _agent_last_words(self.host)
             self.forget()
-            raise MeshGoneError(f"mesh {name!r} is gone: its host agent no longer runs (its procs and "
-                                f"their state are lost). Run `%mesh connect {name}` to start a new one")
+            raise MeshGoneError(f"mesh {name!r} is gone: its host agent no longer runs{why}. Run "
+                                f"`%mesh connect {name}` to start a new one")
         return self.procs, self.cells
 
     # ------------------------------------------------------------------ leave

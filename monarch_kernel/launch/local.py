@@ -23,9 +23,8 @@ def start_local_agent(key: bytes, *, name: str, persistent: bool, lease: float |
                       conn_file: str | Path | None = None, bind: str = "127.0.0.1",
                       timeout: float = 60.0, python: str | None = None,
                       env: dict | None = None) -> tuple[dict, subprocess.Popen]:
-    logs = home() / "logs"
-    logs.mkdir(parents=True, exist_ok=True, mode=0o700)
-    log_path = logs / f"{name}.log"
+    log_path = agent_log(name)
+    log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     args = [python or sys.executable, "-m", "monarch_kernel.node.agent", "--bind", bind, "--name", name]
     if persistent:
         args.append("--persistent")
@@ -74,3 +73,26 @@ def _last_line(log_path: Path) -> str:
     except OSError:
         return ""
     return f": {lines[-1].strip()}" if lines else ""
+
+
+def agent_log(name: str) -> Path:
+    """Where the local agent started under ``name`` writes its log (appended to by each)."""
+    return home() / "logs" / f"{name}.log"
+
+
+def last_words(name: str, pid: int | None) -> tuple[str, str] | None:
+    """What the local agent ``name`` (pid ``pid``) logged as an error before it stopped (its
+    zygote killed, ...; "" if nothing) and its log's path; None with no log. A line of an
+    earlier agent of that name (the log is appended to) is not its."""
+    path = agent_log(name)
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 16384))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    if pid is not None:
+        mine = [i for i, ln in enumerate(lines) if f"agent pid {pid} ready" in ln]
+        lines = lines[mine[-1]:] if mine else []
+    errors = [ln.split(" agent ERROR ", 1)[1] for ln in lines if " agent ERROR " in ln]
+    return errors[-1].removesuffix("; stopping") if errors else "", str(path)

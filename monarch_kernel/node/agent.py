@@ -55,6 +55,28 @@ from monarch_kernel.telemetry.agent import AgentTelemetry
 log = logging.getLogger("monarch_kernel.agent")
 
 
+
+def _zygote_end(zygote: subprocess.Popen, procs: int) -> str:
+    """Why this host stops when its zygote ends, for its log (the notebook shows that line):
+    the zygote forks and reaps every proc here, and they die with it (PR_SET_PDEATHSIG)."""
+    code = None   # (one its caller started and reaps, _HandedZygote: its status is not ours to read)
+    if isinstance(zygote, subprocess.Popen):
+        try:
+            code = zygote.wait(1)
+        except subprocess.TimeoutExpired:
+            pass
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+        if -code == signal.SIGKILL:
+            how += " (kill -9, or the kernel's out-of-memory killer: see `dmesg`)"
+    else:
+        how = "exited" if code is None else f"exited with code {code}"
+    lost = f"; the {procs} procs it forked died with it" if procs else ""
+    return f"the zygote (pid {zygote.pid}, the process that forks this host's procs) {how}{lost}"
+
 class Proc:
     __slots__ = ("key", "mesh_id", "mesh_name", "rank", "pid", "ref", "ident", "state", "started")
     # Counts every change of any proc's ``state`` or ``ref``: the fan-out keeps, per member
@@ -231,7 +253,7 @@ class HostAgent:
         except BlockingIOError:
             return
         if not chunk:
-            log.error("the zygote exited; stopping")
+            log.error("%s; stopping", _zygote_end(self.zygote, len(self.procs)))
             self.stopping = True
             return
         self.zygote_buf += chunk
@@ -749,6 +771,7 @@ def main(argv=None):
                                             "persistent": a.persistent, "lease": a.lease})
     sys.stdout.write(f"MONARCH_AGENT_READY {agent.addr}\n")
     sys.stdout.flush()
+    log.info("agent pid %d ready at %s", os.getpid(), agent.addr)   # (launch.local.last_words reads from here)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(2, 1) if not os.isatty(2) else os.dup2(devnull, 1)
     os.close(devnull)

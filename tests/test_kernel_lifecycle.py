@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -113,7 +114,11 @@ def test_a_mesh_whose_zygote_was_killed_says_why_it_is_gone(k):
     with open(os.path.join(k.home, "meshes", f"{name}.json")) as f:
         agent = json.load(f)["agents"][0]["pid"]
     zygote = next(c for c in psutil.Process(agent).children() if "zygote" in " ".join(c.cmdline()))
-    zygote.kill()
+    threading.Timer(1.0, zygote.kill).start()   # while a cell runs: it fails, with the notebook's advice
+    r = k.run("%%on_mesh\nimport time\ntime.sleep(30)", timeout=60)
+    text = r.stderr + str(r.error)
+    assert r.status == "error" and "host lost" in text and f"`%mesh connect {name}` starts a new mesh" in text, text
+    assert "this_host(name)" not in text, text   # (the actor API's advice)
     _wait_gone(agent)
     r = k.run("%%on_mesh\nrank")
     assert r.status == "error" and f"mesh '{name}' is gone" in r.stderr, r.stderr

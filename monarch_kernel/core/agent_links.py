@@ -20,7 +20,7 @@ import zmq
 
 from .. import config
 from . import curve, wire
-from .errors import HOST_LOST, HostUnreachableError, MeshFailure, SupervisionError
+from .errors import HOST_GONE_HINT, HOST_LOST, HostUnreachableError, MeshFailure, SupervisionError
 from .future import Future
 from .host_liveness import LocalAgentWatch
 from .messages import Ev, Rep, Req
@@ -277,8 +277,7 @@ class AgentLinks:
             link.failed_while_lost.append(fut.what)
             fut.set_exception(HostUnreachableError(f"host agent {link.addr} is unreachable: {why}"))
         link.requests.clear()
-        hint = ("The whole host is gone: stop this mesh and spawn a new one (this_host(name) starts a "
-                "new agent)" if gone else
+        hint = (HOST_GONE_HINT if gone else
                 "Its procs may only be stalled: if the host answers again they come back with their "
                 "state; if not, stop the mesh and spawn a new one")
         before = rt.calls.whats_pending()

@@ -73,6 +73,8 @@ def _rebuild_actor_error(message, rank, host, exc_type, tb, actor, cause=None):
 
 
 HOST_LOST = "host lost"   # how a MeshFailure's reason starts when its host's agent was lost
+# What to do when a host's agent is gone (not silent), for the actor API; the notebook says it its way.
+HOST_GONE_HINT = "The whole host is gone: stop this mesh and spawn a new one (this_host(name) starts a new agent)"
 
 
 class MeshFailure:

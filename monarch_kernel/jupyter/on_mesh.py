@@ -27,7 +27,7 @@ from collections.abc import Callable
 from monarch_kernel import config
 
 from ..core import silent_procs
-from ..core.errors import HOST_LOST, ActorError, SupervisionError
+from ..core.errors import HOST_GONE_HINT, HOST_LOST, ActorError, SupervisionError
 from ..core.mesh import ActorMesh, ProcMesh, state_of, view_of
 from ..core.shape import MeshView, parse_rank_spec
 from ..node.cells import CellFailure
@@ -322,6 +322,12 @@ def supervision_message(err: SupervisionError) -> str:
     if str(getattr(failure, "reason", "")).startswith(HOST_LOST):
         # Its words say what to do (wait for a stalled host, or a new mesh): respawn() needs a
         # live host, and a stalled one's procs come back with their state.
+        from .session import session
+
+        name = session().name
+        text = text.replace(HOST_GONE_HINT, f"The whole host is gone, and the state of its procs: `%mesh connect"
+                                            f"{' ' + name if name else ''}` starts a new mesh (the next cell "
+                                            "says why it ended)")
         return f"{text}\n`%mesh status` shows the mesh"
     return (f"{text}\nThe other ranks keep their state; `mesh.respawn()` replaces the dead procs (with an "
             "empty namespace); `%mesh status` shows the mesh")

@@ -21,6 +21,7 @@ import pytest
 from monarch_kernel.actor import (
     Actor,
     ActorError,
+    MonarchError,
     ProcMesh,
     SupervisionError,
     current_rank,
@@ -381,3 +382,47 @@ def test_sigkill_of_the_host_agent_ends_its_procs_and_fails_waiting_calls():
 
         connection_path("agent-kill-test").unlink(missing_ok=True)
 
+
+
+# ---------------------------------------------------------------- the zygote cannot fork
+def test_a_spawn_on_a_host_whose_zygote_is_stopped_fails_at_once_saying_so_and_leaves_no_procs():
+    """It waited, silent, for as long as the zygote was stopped (kill -STOP, Ctrl-Z, a
+    debugger): 40 s in a kernel, up to the spawn's 120 s limit."""
+    import psutil
+
+    hm = this_host("zygote-stop-test", lease=60)
+    agent = psutil.Process(hm._agents[0]["pid"])
+    zygote = None
+    try:
+        hm.spawn_procs(per_host={"gpus": 1}, name="first").stop()   # the zygote is up
+        zygote = next(c for c in agent.children() if "zygote" in " ".join(c.cmdline()))
+        zygote.suspend()
+        t0 = time.monotonic()
+        with pytest.raises(MonarchError, match=rf"cannot spawn proc mesh 'blocked' on host .*: its zygote \(pid "
+                                               rf"{zygote.pid}, .*stopped by a signal.*`kill -CONT {zygote.pid}`"):
+            hm.spawn_procs(per_host={"gpus": 2}, name="blocked")
+        assert time.monotonic() - t0 < 10
+        zygote.resume()   # its queued forks now run: the agent ends them (the spawn was given up)
+        pm = hm.spawn_procs(per_host={"gpus": 2}, name="after")
+        pids = sorted(pm.spawn("v", Victim).pid.call().get(30).values())
+        deadline = time.monotonic() + 5
+        while _live_children(zygote) != pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _live_children(zygote) == pids   # the given-up spawn's procs did not live on
+    finally:
+        if zygote is not None:
+            zygote.resume()
+        hm.shutdown()
+
+
+def _live_children(p) -> list[int]:
+    import psutil
+
+    out = []
+    for c in p.children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE:
+                out.append(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(out)

@@ -11,10 +11,11 @@ import atexit
 import logging
 import os
 import threading
+import time
 import uuid
 
 from .. import config
-from . import fanout, host_recovery
+from . import fanout, host_recovery, silent_procs
 from .connection import (
     agent_alive,
     check_name,
@@ -22,7 +23,7 @@ from .connection import (
     new_key,
     read_connection_file,
 )
-from .errors import HostUnreachableError, MeshFailure, MeshGoneError
+from .errors import HostUnreachableError, MeshFailure, MeshGoneError, MonarchError
 from .extensions import start_local_agent
 from .future import Future
 from .mesh import ActorMeshState, ProcMesh, ProcMeshState, _watch_replacements
@@ -134,9 +135,9 @@ class HostMesh:
                 for h, a in enumerate(self._agents)]
         refs: list[ProcRef] = []
         try:
-            for f in futs:
+            for (a, info), f in zip(self.agents_and_infos(), futs, strict=True):
                 try:
-                    refs.extend(f.get(120))
+                    refs.extend(_spawned(rt, a["addr"], info.get("host") or a["addr"], self._key, f, name))
                 except HostUnreachableError as e:
                     raise MeshGoneError(f"cannot spawn proc mesh '{name}' on host mesh '{self.name}': {e}. "
                                         f"{self._restart_hint()}") from None
@@ -376,6 +377,35 @@ def this_host(name: str | None = None, *, lease: float | None = None) -> HostMes
             atexit.register(_shutdown_quietly, hm)
         _named[key_name] = hm
         return hm
+
+
+SPAWN_TIMEOUT_S = 120.0
+ZYGOTE_LOOK_S = 3.0   # a host's share of a spawn not done by then: can its zygote fork?
+
+
+def _spawned(rt, addr: str, host: str, key: bytes, fut, name: str) -> list:
+    """A host's share of a spawn (its procs' refs), waited for up to SPAWN_TIMEOUT_S. Every few
+    seconds it is not done, its agent is asked about its zygote: one stopped by a signal or
+    held by a debugger forks nothing until someone lets it go, so the spawn fails at once
+    with what to do (it waited, silent, for as long as the zygote was stopped)."""
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while True:
+        try:
+            return fut.get(max(0.0, min(ZYGOTE_LOOK_S, deadline - time.monotonic())))
+        except TimeoutError:
+            pass
+        try:
+            pid, state = rt.agent_request(addr, key, "zygote_state").get(2)
+        except Exception:   # (an agent that cannot say: the spawn waits on)
+            pid, state = None, None
+        if state in silent_procs.WHY or state == "gone":
+            words = "has exited" if state == "gone" else silent_procs.why(state, pid)
+            if state != "disk-sleep" or time.monotonic() >= deadline:
+                raise MonarchError(f"cannot spawn proc mesh '{name}' on host {host}: its zygote (pid {pid}, "
+                                   f"the process that forks its procs) is {words}")
+        if time.monotonic() >= deadline:
+            raise MonarchError(f"spawn of proc mesh '{name}' did not finish within {SPAWN_TIMEOUT_S:.0f} s on "
+                               f"host {host}" + (f" (its zygote, pid {pid}, is {state})" if state else ""))
 
 
 def _forget_gone(hm: HostMesh) -> None:

@@ -620,6 +620,17 @@ class HostAgent:
                     out[k] = "gone"
         self.reply(ident, req, True, out)
 
+    def op_zygote_state(self, ident, req):
+        """The zygote's pid and the OS's word for it (as ``proc_states``): a spawn that does not
+        finish may wait on a zygote stopped by a signal or held by a debugger."""
+        import psutil
+
+        try:
+            state = psutil.Process(self.zygote.pid).status()
+        except psutil.Error:
+            state = "gone"
+        self.reply(ident, req, True, (self.zygote.pid, state))
+
     def op_shutdown(self, ident, req):
         self._stop_procs(list(self.procs.values()))
         self.reply(ident, req, True, None)

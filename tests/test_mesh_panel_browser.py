@@ -183,6 +183,10 @@ def test_a_mesh_of_40_ranks_shows_a_row_a_host_its_dead_rank_apart_and_every_ran
                                    "[data-state='stopped (signal)']", timeout=15_000)
             assert "1 stopped (signal)" in hosts.nth(1).text_content()
             assert "mk-paused" in hosts.nth(1).get_attribute("class")
+            cell = mesh.locator(".mk-look .mk-proc[data-rank='24'] .mk-state")
+            # read whole in the narrow sidebar (it was cut to "stoppe…")
+            assert cell.evaluate("e => e.scrollWidth <= e.clientWidth"), cell.evaluate("e => e.outerHTML")
+            assert cell.inner_text().split() == ["stopped", "(signal)"]
             page.screenshot(path=str(shots / "mesh-big-2-stopped-rank.png"))
         finally:
             os.kill(stopped, signal.SIGCONT)

@@ -173,6 +173,11 @@ def test_a_cell_whose_host_agent_is_stopped_says_to_wait_or_start_anew_and_its_r
             rows = [line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ")]
             assert [row[3] for row in rows] == ["unreachable", "unreachable"], out
             assert "ranks 0-1 unreachable: its host's agent is silent" in out and "respawn" not in out, out
+            # commands that ask the host: one line saying so, not HostUnreachableError's stack
+            for cmd in ("%mesh logs 0", "%mesh top"):
+                r = h.run(cmd, timeout=60)
+                assert r.status == "error" and r.stderr.startswith("UsageError: "), (cmd, r.stderr, r.error)
+                assert "host " in r.stderr and "Traceback" not in r.stderr + str(r.error), (cmd, r.stderr)
         finally:
             os.kill(agent.pid, signal.SIGCONT)
         deadline, tries = time.monotonic() + 20, []

@@ -275,7 +275,7 @@ class AgentLinks:
         link.failed_while_lost = []
         for fut in list(link.requests.values()):
             link.failed_while_lost.append(fut.what)
-            fut.set_exception(HostUnreachableError(f"host agent {link.addr} is unreachable: {why}"))
+            fut.set_exception(HostUnreachableError(f"host {link.host or link.addr} is unreachable: {why}"))
         link.requests.clear()
         hint = (HOST_GONE_HINT if gone else
                 "Its procs may only be stalled: if the host answers again they come back with their "

@@ -34,7 +34,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from monarch_kernel.core.mesh import view_of
 
-from ..core.errors import ActorError, MeshGoneError, SupervisionError
+from ..core.errors import ActorError, HostUnreachableError, MeshGoneError, SupervisionError
 from . import fast_path
 from .display import CellInterrupted, cell_error
 from .on_mesh import _Run, cell_run_args, outcome, output_options, select, supervision_message, values_after_death
@@ -195,7 +195,7 @@ class MeshMagics(Magics):
             return cmd.handler(MeshContext(self), args)
         except (ValueError, NotConnected) as e:
             raise UsageError(f"{cmd.parser.prog}: {e}\n{cmd.parser.format_usage().rstrip()}")
-        except MeshGoneError as e:   # a clear message, not the controller's stack
+        except (MeshGoneError, HostUnreachableError) as e:   # a clear message, not the controller's stack
             raise UsageError(f"{cmd.parser.prog}: {e}")
 
     def require(self):

@@ -140,7 +140,7 @@ def test_a_rank_stopped_by_a_signal_is_named_so_with_the_command_that_resumes_it
         assert h.value("list(_on_mesh.values())") == [0, 1, 2]
 
 
-def test_a_cell_whose_host_agent_is_stopped_says_to_wait_or_start_anew_and_its_ranks_come_back():
+def test_a_cell_whose_host_agent_is_stopped_says_to_wait_or_start_anew_and_its_ranks_come_back(tmp_path):
     """kill -STOP of the host agent while a cell runs: after the host timeout the cell fails
     with the host's own advice (its procs may only be stalled...), not "`mesh.respawn()`
     replaces the dead procs", which needs a live host and would throw away the state that
@@ -178,6 +178,13 @@ def test_a_cell_whose_host_agent_is_stopped_says_to_wait_or_start_anew_and_its_r
                 r = h.run(cmd, timeout=60)
                 assert r.status == "error" and r.stderr.startswith("UsageError: "), (cmd, r.stderr, r.error)
                 assert "host " in r.stderr and "Traceback" not in r.stderr + str(r.error), (cmd, r.stderr)
+            # a sync: the failed host and why, in its last line (the report above can be long)
+            src = tmp_path / "code"
+            src.mkdir()
+            (src / "m.py").write_text("X = 1\n")
+            r = h.run(f"%mesh sync {src}", timeout=60)
+            last = r.stderr.strip().splitlines()[-1]
+            assert r.status == "error" and "1 host(s) failed: " in last and "unreachable" in last, r.stderr
         finally:
             os.kill(agent.pid, signal.SIGCONT)
         deadline, tries = time.monotonic() + 20, []

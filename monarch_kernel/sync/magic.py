@@ -78,6 +78,10 @@ def sync(ctx, args):
         raise UsageError(f"%mesh sync: {e}") from None
     except SyncError as e:
         print(e.report)
-        raise UsageError(f"%mesh sync: {len(e.report.failed_hosts)} host(s) failed (above); "
-                         "run %mesh sync again to complete them") from None
+        # Why each host failed, here too: the report above may list hundreds of files' problems.
+        failed = "; ".join(f"{t.host}: {t.error}" for t in e.report.failed_hosts[:4])
+        more = len(e.report.failed_hosts) - 4
+        raise UsageError(f"%mesh sync: {len(e.report.failed_hosts)} host(s) failed: {failed}"
+                         f"{f'; and {more} more (above)' if more > 0 else ''}; run %mesh sync again to "
+                         "complete them") from None
     print(report)

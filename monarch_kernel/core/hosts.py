@@ -389,16 +389,20 @@ def _spawned(rt, addr: str, host: str, key: bytes, fut, name: str) -> list:
     held by a debugger forks nothing until someone lets it go, so the spawn fails at once
     with what to do (it waited, silent, for as long as the zygote was stopped)."""
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    look, held = ZYGOTE_LOOK_S, None
     while True:
         try:
-            return fut.get(max(0.0, min(ZYGOTE_LOOK_S, deadline - time.monotonic())))
+            return fut.get(max(0.0, min(look, deadline - time.monotonic())))
         except TimeoutError:
             pass
         try:
             pid, state = rt.agent_request(addr, key, "zygote_state").get(2)
         except Exception:   # (an agent that cannot say: the spawn waits on)
             pid, state = None, None
-        if state in silent_procs.WHY or state == "gone":
+        # Held twice in a row, half a second apart (a `py-spy dump` stops a process for a moment).
+        seen_twice, held = state == held, state
+        look = 0.5 if state in silent_procs.WHY and not seen_twice else ZYGOTE_LOOK_S
+        if state in silent_procs.WHY and seen_twice or state == "gone":
             words = "has exited" if state == "gone" else silent_procs.why(state, pid)
             if state != "disk-sleep" or time.monotonic() >= deadline:
                 raise MonarchError(f"cannot spawn proc mesh '{name}' on host {host}: its zygote (pid {pid}, "

@@ -401,11 +401,11 @@ def test_a_spawn_on_a_host_whose_zygote_is_stopped_fails_at_once_saying_so_and_l
         with pytest.raises(MonarchError, match=rf"cannot spawn proc mesh 'blocked' on host .*: its zygote \(pid "
                                                rf"{zygote.pid}, .*stopped by a signal.*`kill -CONT {zygote.pid}`"):
             hm.spawn_procs(per_host={"gpus": 2}, name="blocked")
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 30   # (not the spawn's 120 s: ~3.5 s here, slack for a loaded machine)
         zygote.resume()   # its queued forks now run: the agent ends them (the spawn was given up)
         pm = hm.spawn_procs(per_host={"gpus": 2}, name="after")
         pids = sorted(pm.spawn("v", Victim).pid.call().get(30).values())
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while _live_children(zygote) != pids and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _live_children(zygote) == pids   # the given-up spawn's procs did not live on

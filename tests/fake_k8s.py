@@ -279,6 +279,13 @@ class FakeKubernetes:
                 cs["state"] = {"waiting": {}}
                 return
             if not image.startswith(("fake/monarch:", "fake/python-only:")):
+                # A pull takes a while in a real cluster: the pod waits ContainerCreating for 1 s
+                # first, so the client's first list sees it pending (under load the kubelet
+                # thread could fail the pull before that list: the client then had nothing to watch).
+                pull_at = pod.setdefault("_pull_at", time.monotonic() + 1.0)
+                if time.monotonic() < pull_at:
+                    cs["state"] = {"waiting": {"reason": "ContainerCreating"}}
+                    return
                 reason = "ErrImagePull" if cs["state"].get("waiting", {}).get("reason") != "ErrImagePull" \
                     else "ImagePullBackOff"
                 cs["state"] = {"waiting": {"reason": reason, "message": f'failed to pull image "{image}": '

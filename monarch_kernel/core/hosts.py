@@ -389,7 +389,7 @@ def _spawned(rt, addr: str, host: str, key: bytes, fut, name: str) -> list:
     held by a debugger forks nothing until someone lets it go, so the spawn fails at once
     with what to do (it waited, silent, for as long as the zygote was stopped)."""
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    look, held = ZYGOTE_LOOK_S, None
+    look, last = ZYGOTE_LOOK_S, None   # (the zygote's state at the look before)
     while True:
         try:
             return fut.get(max(0.0, min(look, deadline - time.monotonic())))
@@ -400,13 +400,14 @@ def _spawned(rt, addr: str, host: str, key: bytes, fut, name: str) -> list:
         except Exception:   # (an agent that cannot say: the spawn waits on)
             pid, state = None, None
         # Held twice in a row, half a second apart (a `py-spy dump` stops a process for a moment).
-        seen_twice, held = state == held, state
-        look = 0.5 if state in silent_procs.WHY and not seen_twice else ZYGOTE_LOOK_S
-        if state in silent_procs.WHY and seen_twice or state == "gone":
+        held = state in silent_procs.WHY
+        look = 0.5 if held and state != last else ZYGOTE_LOOK_S
+        if held and state == last or state == "gone":
             words = "has exited" if state == "gone" else silent_procs.why(state, pid)
             if state != "disk-sleep" or time.monotonic() >= deadline:
                 raise MonarchError(f"cannot spawn proc mesh '{name}' on host {host}: its zygote (pid {pid}, "
                                    f"the process that forks its procs) is {words}")
+        last = state
         if time.monotonic() >= deadline:
             raise MonarchError(f"spawn of proc mesh '{name}' did not finish within {SPAWN_TIMEOUT_S:.0f} s on "
                                f"host {host}" + (f" (its zygote, pid {pid}, is {state})" if state else ""))

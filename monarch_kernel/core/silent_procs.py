@@ -30,6 +30,17 @@ SHORT = {"stopped": "stopped (signal)", "tracing-stop": "held by a tracer", "dis
 BUSY = "native code may hold its GIL"
 _CELLS = "__cells__"   # jupyter.session.CELL_ACTOR (core imports no feature)
 
+# A proc whose host's agent went silent (stopped, starved, cut off): failed for now, not dead.
+UNREACHABLE = ("its host's agent is silent: if it answers again this proc comes back with its state; "
+               "if not, stop the mesh and start a new one")
+
+
+def host_silent(rt, ref: "ProcRef") -> bool:
+    """Was ``ref`` failed because its host's agent went silent (its link lost, the agent not
+    known to have exited)? Such a proc may come back with its state: it is not dead."""
+    link = rt.agents.get(ref.agent)
+    return link is not None and link.lost and not link.gone
+
 
 def doing(state: str, os_state: str | None = None) -> str:
     """A proc's state (``ProcMesh.states()``) as ``%mesh status`` and ``%mesh top`` show what it
@@ -43,16 +54,6 @@ def doing(state: str, os_state: str | None = None) -> str:
     if state.startswith("in "):
         return f"in endpoint {state[3:]}"
     return state
-# A proc whose host's agent went silent (stopped, starved, cut off): failed for now, not dead.
-UNREACHABLE = ("its host's agent is silent: if it answers again this proc comes back with its state; "
-               "if not, stop the mesh and start a new one")
-
-
-def host_silent(rt, ref: "ProcRef") -> bool:
-    """Was ``ref`` failed because its host's agent went silent (its link lost, the agent not
-    known to have exited)? Such a proc may come back with its state: it is not dead."""
-    link = rt.agents.get(ref.agent)
-    return link is not None and link.lost and not link.gone
 
 
 def os_states(refs: list["ProcRef"], key: bytes, timeout: float = 1.0) -> dict[str, str]:

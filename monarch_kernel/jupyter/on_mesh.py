@@ -34,6 +34,7 @@ from ..node.cells import CellFailure
 from .cell_progress import CellProgress
 from .display import CellInterrupted, CellValues, cell_error
 from .fast_path import call_sent
+from .session import session
 from .text_output import OutputOptions
 
 TICK_S = 0.1
@@ -322,8 +323,6 @@ def supervision_message(err: SupervisionError) -> str:
     if str(getattr(failure, "reason", "")).startswith(HOST_LOST):
         # Its words say what to do (wait for a stalled host, or a new mesh): respawn() needs a
         # live host, and a stalled one's procs come back with their state.
-        from .session import session
-
         name = session().name
         text = text.replace(HOST_GONE_HINT, f"The whole host is gone, and the state of its procs: `%mesh connect"
                                             f"{' ' + name if name else ''}` starts a new mesh (the next cell "

@@ -54,7 +54,6 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
-
 def _agent_last_words(hm: HostMesh) -> str:
     """Why a mesh's agent stopped, from its log when it ran here (its zygote was killed, ...),
     and the log's path: the notebook user has no other way to learn it."""
@@ -69,6 +68,7 @@ def _agent_last_words(hm: HostMesh) -> str:
         return lost
     why, log = said
     return f": {why}; its log: {log}" if why else f"{lost}; its log: {log}"
+
 
 class MeshSession:
     """What ``%mesh`` and ``%%on_mesh`` act on. One per kernel (``session()``)."""

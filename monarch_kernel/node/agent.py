@@ -55,7 +55,6 @@ from monarch_kernel.telemetry.agent import AgentTelemetry
 log = logging.getLogger("monarch_kernel.agent")
 
 
-
 def _zygote_end(zygote: subprocess.Popen, procs: int) -> str:
     """Why this host stops when its zygote ends, for its log (the notebook shows that line):
     the zygote forks and reaps every proc here, and they die with it (PR_SET_PDEATHSIG)."""
@@ -76,6 +75,7 @@ def _zygote_end(zygote: subprocess.Popen, procs: int) -> str:
         how = "exited" if code is None else f"exited with code {code}"
     lost = f"; the {procs} procs it forked died with it" if procs else ""
     return f"the zygote (pid {zygote.pid}, the process that forks this host's procs) {how}{lost}"
+
 
 class Proc:
     __slots__ = ("key", "mesh_id", "mesh_name", "rank", "pid", "ref", "ident", "state", "started")

@@ -82,6 +82,32 @@ def test_connect_with_another_size_names_the_running_one(k):
     assert r.status == "error" and "already runs with gpus=2" in r.stderr and "%mesh stop" in r.stderr
 
 
+def test_after_a_restart_a_rank_that_dies_fails_its_cell_at_once_though_the_old_kernel_used_the_same_call_ids():
+    """A host agent remembers the fanned calls each proc answered lately, so that a reply
+    still on its way is not failed by the proc's death. Every controller counts its calls
+    from 1, so after a kernel restart those numbers were the new kernel's too: a cell on a
+    rank that died waited 5 s for a reply that never comes (found on 8 hosts x 32 procs,
+    where every cell goes through the agents; here 4 procs, fanned from 2 members)."""
+    h = KernelHarness(env={"MONARCH_KERNEL_FANOUT_MIN": "2"})
+    try:
+        h.ok("%mesh connect lc-ids --procs 4", timeout=120)
+        for i in range(24):   # each answered by every proc through its agent: ids 1..~28 remembered
+            h.ok(f"%%on_mesh\nx = {i}")
+        h.restart()
+        h.ok("%mesh connect lc-ids")
+        took = []
+        for victim in (1, 2, 3):   # each death the first of its proc (the agent forgets a dead one's calls)
+            t0 = time.monotonic()
+            r = h.run(f"%%on_mesh --ranks {victim}\nimport os; os.kill(os.getpid(), 9)")
+            took.append(time.monotonic() - t0)
+            said = r.error["evalue"] if r.status == "error" else r.stdout
+            assert f"rank {victim}" in said and "killed by signal SIGKILL" in said, said[-1500:]
+        assert max(took) < 2.5, took   # (5.0 s each before the fix, for the ids the old kernel used)
+        assert "23" in h.ok("%%on_mesh --ranks 0\nx").result   # (a failure on one rank costs the others nothing)
+    finally:
+        h.close(stop_meshes=("lc-ids",))
+
+
 def test_a_mesh_whose_agent_is_gone_says_so_and_connect_starts_a_new_one(k):
     name = default_name()
     with open(os.path.join(k.home, "meshes", f"{name}.json")) as f:

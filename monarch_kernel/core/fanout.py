@@ -90,8 +90,16 @@ def learn_agent(rt, agent_addr: str, info: dict) -> None:
         rt.on_host_change(lambda addr, lost: _host_changed(rt, addr, lost))
         # A proc's fanned replies may still be on their way up when its death (sent straight
         # here) arrives: its agent names those calls first; they wait for the reply.
-        rt.on_agent_event("replied", lambda link, key, calls: rt.calls.replied_before_death.__setitem__(
-            key, set(calls)))
+        rt.on_agent_event("replied", lambda link, key, calls: _replied_before_death(rt, key, calls))
+
+
+def _replied_before_death(rt, key: str, calls) -> None:
+    """The calls (destination, call id) a dead proc answered lately, from its agent: ours wait
+    for their replies. Another controller's are not ours though their ids may be (every
+    controller counts from 1): taken for ours, a call of the same id to that proc waited the
+    5 s of LATE_REPLY_S for a reply that never comes (a cell after a kernel restart)."""
+    mine = rt.addresses
+    rt.calls.replied_before_death[key] = {c for d, c in calls if d in mine}
 
 
 def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:

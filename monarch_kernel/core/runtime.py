@@ -68,6 +68,7 @@ class Runtime:
         self.bind_host = bind_host
         self.address, self.ipc_address, self.curve_public = inbox.address, inbox.ipc_address, inbox.curve_public
         self.contact = [self.address, self.ipc_address, self.host_id, self.curve_public]   # how peers reach us
+        self.addresses = {self.address}   # every address given as ours (listen_on adds one)
         # The hot paths, bound once (no extra call per message).
         self.send, self.send_frames, self.pack = transport.send, transport.send_frames, transport.pack
         self.pack_to, self.send_plain = transport.pack_to, transport.send_plain
@@ -198,6 +199,7 @@ class Runtime:
             return self.address
         addr, pub = self._inbox.bind_also(host)
         self.address, self.bind_host, self.curve_public = addr, host, pub
+        self.addresses.add(addr)
         self.contact = [addr, self.ipc_address, self.host_id, pub]
         return addr
 

@@ -130,7 +130,10 @@ class FanRelay:
         self.up_of: dict[tuple[str, int], str] = {}   # (dest, call id) -> parent agent ("" = direct)
         self.own: dict[tuple[str, int], list] = {}    # (dest, call id) -> its members here (summarise)
         self.last_up: dict[str, str] = {}             # dest -> the parent of its latest call
-        self.replied: dict[str, deque] = defaultdict(_last_calls)   # proc key -> its latest fanned calls answered
+        # proc key -> its latest fanned calls answered, as (where the reply goes, call id): call ids
+        # are each controller's own count, so another controller's (one attached before a kernel
+        # restart) may be the same numbers
+        self.replied: dict[str, deque] = defaultdict(_last_calls)
         self.sends: dict[tuple[str, int], None] = {}   # tree sends seen (dest, send id), oldest first
         self.tree = Retained()                        # what went to parents, until they are known safe
         self.members: dict[str, _Members] = {}        # member list (fan_version 2) -> where they go
@@ -205,8 +208,9 @@ class FanRelay:
             s.close(0)
 
     def replied_calls(self, key: str) -> list:
-        """The calls a proc that just ended replied to lately (its replies may still be on
-        their way up a tree when its death, sent straight to the controller, arrives)."""
+        """The calls a proc that just ended replied to lately, as (destination, call id) (its
+        replies may still be on their way up a tree when its death, sent straight to the
+        controller, arrives)."""
         return list(self.replied.pop(key, ()))
 
     def close(self) -> None:
@@ -385,8 +389,9 @@ class FanRelay:
         if not items:
             h.since = time.monotonic()
         replied = self.replied
+        done = (dest, call_id)
         for key in keys:
-            replied[key].append(call_id)
+            replied[key].append(done)
         run = items[-1] if items else None
         if type(run) is not list or run[1] != call_id:   # a call's replies in a row: one run
             run = ["rc", call_id, [], [], [], []]

@@ -37,7 +37,16 @@ from monarch_kernel.core.mesh import view_of
 from ..core.errors import ActorError, HostUnreachableError, MeshGoneError, SupervisionError
 from . import fast_path
 from .display import CellInterrupted, cell_error
-from .on_mesh import _Run, cell_run_args, outcome, output_options, select, supervision_message, values_after_death
+from .on_mesh import (
+    _Run,
+    cell_run_args,
+    outcome,
+    output_options,
+    refused_for_death,
+    select,
+    supervision_message,
+    values_after_death,
+)
 from .output import OutputRouter
 from .session import NotConnected, session
 
@@ -245,7 +254,7 @@ class MeshMagics(Magics):
             run = _Run(target, "run", run_args, args.timeout, cap)
         except SupervisionError as e:
             self.router.end(cap)
-            raise _died(e)
+            raise refused_for_death(target, e) or _died(e)
         except BaseException:
             self.router.end(cap)
             raise

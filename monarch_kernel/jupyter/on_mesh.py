@@ -29,6 +29,7 @@ from monarch_kernel import config
 from ..core import silent_procs
 from ..core.errors import HOST_GONE_HINT, HOST_LOST, ActorError, SupervisionError
 from ..core.mesh import ActorMesh, ProcMesh, state_of, view_of
+from ..core.mesh_tables import ranges
 from ..core.shape import MeshView, parse_rank_spec
 from ..node.cells import CellFailure
 from .cell_progress import CellProgress
@@ -254,6 +255,35 @@ def values_after_death(run: _Run, err: SupervisionError) -> list | None:
             values.append(ActorError("did not finish within 1 s after another rank died",
                                      exc_type="Unfinished"))
     return values
+
+
+def refused_for_death(target: ActorMesh, err: SupervisionError):
+    """The error of a cell its mesh would not send because ranks of it are dead: every dead
+    rank (one line per way they died), that the cell ran nowhere, and the ``--ranks`` that
+    runs it on the living ones. (It named the first dead rank only, and not whether the cell
+    ran on the others.)"""
+    from ..core.runtime import runtime
+
+    dead = runtime().dead
+    procs = state_of(target).proc_state.procs
+    ranks = list(view_of(target).ranks)
+    groups: dict[str, list] = {}
+    living = []
+    for r in ranks:
+        e = dead.get(procs[r].key)
+        if e is None:
+            living.append(r)
+            continue
+        text = supervision_message(e)
+        g = groups.setdefault(_without_who(text), [[], text])
+        g[0].append(r)
+    if not groups:   # (the mesh named a death this kernel has not recorded: its own words)
+        return None
+    gs = [(rs, "SupervisionError", text if len(rs) == 1 else key, "") for key, (rs, text) in groups.items()]
+    note = "the cell ran on no rank"
+    if living:
+        note += f"; `%%on_mesh --ranks {ranges(living)}` runs it on the living ones"
+    return cell_error(gs, note=note)
 
 
 def _hold_s() -> float:

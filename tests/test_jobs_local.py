@@ -321,6 +321,7 @@ def test_connect_hosts_makes_a_multi_host_mesh_here_that_survives_a_kernel_resta
         k.ok("%%on_mesh\nzygote")   # the same procs, their namespaces kept
         assert k.value("list(_on_mesh.values())") == zygotes
 
+        _lose_a_host_of_two(k)
         kernel = k.value("__import__('os').getpid()")
         k.ok("%mesh stop twohosts", timeout=60)
         deadline = time.monotonic() + 10
@@ -329,6 +330,37 @@ def test_connect_hosts_makes_a_multi_host_mesh_here_that_survives_a_kernel_resta
         assert not home_processes(k.home) - {kernel}, "agents or procs left after %mesh stop"
     finally:
         k.close(stop_meshes=("twohosts",))
+
+
+def _lose_a_host_of_two(k) -> None:
+    """kill -9 of host 1's agent: what the notebook says, and that the living host's ranks
+    are still usable, each step as a user takes it."""
+    import signal
+
+    with open(os.path.join(k.home, "meshes", "twohosts.json")) as f:
+        agents = [a["pid"] for a in json.load(f)["agents"]]
+    os.kill(agents[1], signal.SIGKILL)
+    deadline = time.monotonic() + 10   # (the agent's end is seen within a second: its pidfd)
+    while (r := k.run("%%on_mesh\nzygote")).status == "ok" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    said = "\n".join(r.error["traceback"]) if r.error else r.stdout
+    # its two ranks, once; the other host's ranks keep their state; stop, then connect (a
+    # connect alone refuses a job that lost a host)
+    assert "ranks 2-3: SupervisionError" in said and "host lost" in said, said
+    assert "`%mesh stop twohosts`, then `%mesh connect twohosts`" in said, said
+    r = k.run("%%on_mesh\nzygote")   # (the cell above may have been sent before the loss was known)
+    said = "\n".join(r.error["traceback"])
+    assert "ranks 2-3: SupervisionError" in said and "`%mesh stop twohosts`, then" in said, said
+    assert "the cell ran on no rank; `%%on_mesh --ranks 0-1` runs it on the living ones" in said, said
+    k.ok("%%on_mesh --ranks 0-1\nzygote")
+    assert len(set(k.value("list(_on_mesh.values())"))) == 1
+    # %mesh top: the living host's ranks, the lost one's dead and why it gives no figures
+    # (it stopped with "the agent of host ... is gone" for every host)
+    text = k.value("(lambda t: (t.refresh(), t.text())[1])(__import__('monarch_kernel.telemetry.top', "
+                   "fromlist=['_']).MeshTop(mesh, 'twohosts'))")
+    assert "2 dead" in text and "no figures from it now: the agent of host" in text and "is gone" in text, text
+    r = k.ok("%mesh top")
+    assert "2 dead" in r.stdout + str(r.data("display_data")), r.outputs
 
 
 def test_kill_of_the_kernel_pid_ends_the_agents_of_its_process_job_mesh():

@@ -78,7 +78,6 @@ def test_ranks_that_die_of_the_same_cause_are_one_error_naming_their_ranks(k):
     assert r.status == "error" and "ran on" not in r.stdout, r.stdout
     assert "ranks 1-2: SupervisionError" in tb and "proc exited with code 7" in tb, tb
     assert "the cell ran on no rank; `%%on_mesh --ranks 0` runs it on the living ones" in tb, tb
-    assert "ran on 0" in k.ok("%%on_mesh --ranks 0\nprint('ran on', rank)").stdout
     k.ok("mesh.respawn()", timeout=60)
     assert k.ok("%%on_mesh --ranks 1,2\nrank * 10").result   # usable again
 

@@ -353,10 +353,18 @@ def supervision_message(err: SupervisionError) -> str:
     if str(getattr(failure, "reason", "")).startswith(HOST_LOST):
         # Its words say what to do (wait for a stalled host, or a new mesh): respawn() needs a
         # live host, and a stalled one's procs come back with their state.
-        name = session().name
-        text = text.replace(HOST_GONE_HINT, f"The whole host is gone, and the state of its procs: `%mesh connect"
-                                            f"{' ' + name if name else ''}` starts a new mesh (the next cell "
-                                            "says why it ended)")
+        s = session()
+        name = f" {s.name}" if s.name else ""
+        if s.host is not None and len(s.host) > 1:
+            # Other hosts live on with their state: the user ends them first, knowingly (a
+            # connect alone refuses a job that lost a host, and says this then).
+            how = (f"The whole host is gone, and the state of its procs; the other hosts' ranks keep theirs "
+                   f"(`%%on_mesh --ranks` runs cells on them). `%mesh stop{name}`, then `%mesh connect{name}` "
+                   "with the same options, starts a new mesh")
+        else:
+            how = (f"The whole host is gone, and the state of its procs: `%mesh connect{name}` starts a new mesh "
+                   "(the next cell says why it ended)")
+        text = text.replace(HOST_GONE_HINT, how)
         return f"{text}\n`%mesh status` shows the mesh"
     return (f"{text}\nThe other ranks keep their state; `mesh.respawn()` replaces the dead procs (with an "
             "empty namespace); `%mesh status` shows the mesh")

@@ -57,15 +57,26 @@ class TelemetryStore:
         self._ncols = {n: len(c.split(",")) for n, c in SCHEMA.items()}
         self._last_trim = time.time()
 
-    def pull(self, agents: dict[str, bytes], timeout: float = PULL_TIMEOUT_S) -> None:
-        """Fetch new rows from each agent (``{address: key}``), all hosts at once."""
+    def pull(self, agents: dict[str, bytes], timeout: float = PULL_TIMEOUT_S) -> dict[str, str]:
+        """Fetch new rows from each agent (``{address: key}``), all hosts at once. A host that
+        cannot answer (its agent gone, or silent) keeps the rows it gave before: the others'
+        are still fetched, and ``{address: why}`` says which did not answer (one lost host of
+        eight stopped ``%mesh top`` for all of them)."""
+        from monarch_kernel.core.errors import HostUnreachableError
         from monarch_kernel.core.runtime import runtime
 
         rt = runtime()
         futs = {addr: rt.agent_request(addr, key, "tel_since", self.cursors.get(addr, 0))
                 for addr, key in agents.items()}
+        unreachable = {}
         for addr, fut in futs.items():
-            self.insert(addr, fut.get(timeout))
+            try:
+                batch = fut.get(timeout)
+            except HostUnreachableError as e:
+                unreachable[addr] = str(e)
+                continue
+            self.insert(addr, batch)
+        return unreachable
 
     def insert(self, addr: str, batch: dict) -> None:
         agent = batch.get("agent", addr)

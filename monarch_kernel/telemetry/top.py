@@ -85,8 +85,12 @@ class MeshTop:
             if look:
                 lines += ["", "ranks to look at:"] + _columns(*self._rank_table(look, gpu))
             lines.append(f"({len(self.rows)} ranks, a row a host: %mesh top --all for a row a rank)")
-            return "\n".join(lines)
-        return "\n".join(lines + _columns(*self._rank_table(self.rows, gpu)))
+            return "\n".join(lines + self._silent_hosts())
+        return "\n".join(lines + _columns(*self._rank_table(self.rows, gpu)) + self._silent_hosts())
+
+    def _silent_hosts(self) -> list[str]:
+        """A line a host that gave no figures at the last look: why (its words name it)."""
+        return [f"no figures from it now: {why}" for why in self.tel.unreachable.values()]
 
     @staticmethod
     def _rank_table(rows: list[dict], gpu: bool) -> tuple[list[str], list[list[str]]]:
@@ -105,6 +109,7 @@ class MeshTop:
                         f"<code>%mesh top --all</code> for a row a rank</div>")
         else:
             tables = self._ranks_html(self.rows, gpu)
+        tables += "".join(f"<div style='color:#b45309'>{html.escape(line)}</div>" for line in self._silent_hosts())
         return (f"<div class='monarch-top'><b>{html.escape(self.summary())}</b>{tables}"
                 f"<div style='color:#777;font-size:85%'>update {self.updates}, every {self.interval:g} s</div></div>")
 

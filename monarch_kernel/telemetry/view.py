@@ -21,6 +21,7 @@ LOG_TIMEOUT_S = 120.0
 class MeshTelemetry:
     def __init__(self, state):
         self._state = state   # the ProcMeshState (shared by every view of the mesh)
+        self.unreachable: dict[str, str] = {}   # agent address -> why it gave nothing at the last look
 
     def _agents(self) -> dict[str, bytes]:
         return {addr: self._state.key for addr in self._state.agents()}
@@ -30,8 +31,10 @@ class MeshTelemetry:
         return [hosts[a]["agent"] for a in self._agents() if a in hosts]
 
     def refresh(self) -> None:
-        """Fetch what the hosts gathered since the last look (one batch per host)."""
-        store().pull(self._agents())
+        """Fetch what the hosts gathered since the last look (one batch per host). A host that
+        cannot answer keeps its rows from before (a lost host's last samples are what a
+        post-mortem wants); ``unreachable`` names it and says why."""
+        self.unreachable = store().pull(self._agents())
 
     def query(self, sql: str, *params) -> QueryResult:
         """Run SQL over this mesh's rows of the telemetry tables, fresh from the hosts (a
@@ -40,8 +43,13 @@ class MeshTelemetry:
         return store().query(sql, params, mesh_id=self._state.id)
 
     def latest(self) -> dict[int, dict]:
-        """The newest sample of each live rank of this mesh, as dicts (for ``%mesh top``)."""
+        """The newest sample of each live rank of this mesh, as dicts (for ``%mesh top``).
+        Raises HostUnreachableError when no host answered (nothing here is live)."""
         self.refresh()
+        if self.unreachable and len(self.unreachable) >= len(self._state.agents()):
+            from monarch_kernel.core.errors import HostUnreachableError
+
+            raise HostUnreachableError(next(iter(self.unreachable.values())))
         names = self._agent_names()
         if not names:
             return {}

@@ -60,6 +60,21 @@ def test_after_a_rank_dies_in_a_cell_the_ranks_that_finished_keep_their_values(k
     assert k.value("_on_mesh.values()[0]") == 10       # rank 1 finished: its value is kept
 
 
+def test_a_rank_still_running_when_another_dies_is_said_to_go_on_and_mesh_interrupt_stops_it(k):
+    """The cell fails a second after a rank died; a rank still in it goes on (its state will
+    change when it ends). It said "did not finish", as if it had stopped."""
+    k.ok("mesh.respawn()", timeout=60)   # (the test above left rank 2 dead)
+    msg = k.submit("%%on_mesh --ranks 1,2\nimport os, time\nif rank == 2:\n    os._exit(3)\ntime.sleep(60)")
+    r = k.wait(msg, timeout=30)
+    said = "\n".join(r.error["traceback"])
+    assert "rank 1: Unfinished: still running 1 s after another rank died: it goes on there" in said, said
+    assert "`mesh.interrupt()` stops it" in said, said
+    k.ok("mesh.interrupt()")
+    t0 = time.monotonic()
+    assert "free" in k.ok("%%on_mesh --ranks 1\n'free'", timeout=30).result
+    assert time.monotonic() - t0 < 10   # (not the 60 s sleep)
+
+
 def test_ranks_that_die_of_the_same_cause_are_one_error_naming_their_ranks(k):
     """A lost host fails all its ranks at once; their failures differ only in the rank and
     pid they name. Shown one by one that was 256 paragraphs for a 256-rank host; now one

@@ -252,7 +252,8 @@ def values_after_death(run: _Run, err: SupervisionError) -> list | None:
         elif dead is not None or isinstance(v, SupervisionError):
             values.append(ActorError(supervision_message(dead or v), exc_type="SupervisionError"))
         else:
-            values.append(ActorError("did not finish within 1 s after another rank died",
+            values.append(ActorError("still running 1 s after another rank died: it goes on there (`%mesh "
+                                     "status` shows what each rank does; `mesh.interrupt()` stops it)",
                                      exc_type="Unfinished"))
     return values
 

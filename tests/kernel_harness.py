@@ -165,9 +165,22 @@ class KernelHarness:
         try:
             for name in stop_meshes:
                 self.run(f"%mesh stop {name}", timeout=30)
-        finally:
+        except BaseException:
+            # A stop that failed (a kernel stuck by the failing test): its processes are still
+            # ended and its home removed, then the failure goes on (it left both behind).
+            self._end(kernel_pid, check=False)
+            raise
+        self._end(kernel_pid, check=True)
+
+    def _end(self, kernel_pid, check: bool) -> None:
+        """Shut the kernel down, end what it left under its home, remove the home; with
+        ``check``, fail the test if anything was left."""
+        try:
             self.kc.stop_channels()
             self.km.shutdown_kernel(now=False)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.km.shutdown_kernel(now=True)
         if kernel_pid:   # ipykernel's own folder of cells dumped for a debugger (JupyterLab's does)
             shutil.rmtree(os.path.join(tempfile.gettempdir(), f"ipykernel_{kernel_pid}"), ignore_errors=True)
         deadline = time.monotonic() + 8
@@ -181,7 +194,7 @@ class KernelHarness:
             except OSError:
                 pass
         shutil.rmtree(self.home, ignore_errors=True)   # its meshes' files and its procs' logs
-        if left:
+        if left and check:
             pytest.fail(f"the kernel tests left {len(left)} process(es) behind: {sorted(left)}")
 
 

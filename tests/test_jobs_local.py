@@ -344,9 +344,9 @@ def _lose_a_host_of_two(k) -> None:
     while (r := k.run("%%on_mesh\nzygote")).status == "ok" and time.monotonic() < deadline:
         time.sleep(0.2)
     said = "\n".join(r.error["traceback"]) if r.error else r.stdout
-    # its two ranks, once; the other host's ranks keep their state; stop, then connect (a
-    # connect alone refuses a job that lost a host)
-    assert "ranks 2-3: SupervisionError" in said and "host lost" in said, said
+    # the other host's ranks keep their state; stop, then connect (a connect alone refuses a
+    # job that lost a host). (Rank 2 may have answered this cell before its host was lost.)
+    assert "SupervisionError" in said and "host lost" in said, said
     assert "`%mesh stop twohosts`, then `%mesh connect twohosts`" in said, said
     r = k.run("%%on_mesh\nzygote")   # (the cell above may have been sent before the loss was known)
     said = "\n".join(r.error["traceback"])

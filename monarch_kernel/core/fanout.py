@@ -99,7 +99,9 @@ def _replied_before_death(rt, key: str, calls) -> None:
     controller counts from 1): taken for ours, a call of the same id to that proc waited the
     5 s of LATE_REPLY_S for a reply that never comes (a cell after a kernel restart)."""
     mine = rt.addresses
-    rt.calls.replied_before_death[key] = {c for d, c in calls if d in mine}
+    rt.calls.replied_before_death[key] = {
+        c[1] if type(c) is tuple else c   # (an agent started by an earlier version names bare ids)
+        for c in calls if type(c) is not tuple or c[0] in mine}
 
 
 def send(rt, key: bytes, msg: tuple, refs, reply_at: int) -> None:

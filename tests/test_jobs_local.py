@@ -361,6 +361,9 @@ def _lose_a_host_of_two(k) -> None:
     assert "2 dead" in text and "no figures from it now: the agent of host" in text and "is gone" in text, text
     r = k.ok("%mesh top")
     assert "2 dead" in r.stdout + str(r.data("display_data")), r.outputs
+    # %mesh list: one of its two agents gone (it read "gone" while the other host's ranks answered)
+    row = [line for line in k.ok("%mesh list").result.splitlines() if line.startswith("twohosts")]
+    assert row and "1 of 2 gone" in row[0], row
 
 
 def test_kill_of_the_kernel_pid_ends_the_agents_of_its_process_job_mesh():

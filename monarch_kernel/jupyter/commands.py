@@ -276,10 +276,12 @@ def list_(ctx, args):
     for name, info, _ in list_meshes():
         agents = info.get("agents", [])
         local = [a for a in agents if a.get("host") == here and a.get("pid")]
-        alive = all(pid_alive(a["pid"]) for a in local)   # a zombie agent is gone too
+        gone = sum(not pid_alive(a["pid"]) for a in local)   # a zombie agent is gone too
         pids = ", ".join(str(a["pid"]) for a in local) or "-"
         mark = "connected" if name == ctx.session.name and ctx.session.procs is not None else ""
-        rows.append([name, "alive" if alive else "gone", len(agents), pids, mark])
+        # (a job that lost some of its hosts: the others' ranks still answer, until it is stopped)
+        state = "alive" if not gone else "gone" if gone == len(local) else f"{gone} of {len(local)} gone"
+        rows.append([name, state, len(agents), pids, mark])
     note = "" if rows else "no meshes: `%mesh connect` starts one"
     return Table("meshes on this machine", ["name", "agent", "hosts", "agent pid", "this notebook"], rows, note)
 

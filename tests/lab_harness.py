@@ -161,6 +161,7 @@ def notebook_page(tmp: Path, name: str, cells: list[str]):
         try:
             pg = ctx.pages[0] if ctx.pages else ctx.new_page()
             pg.notebook = notebook
+            pg.home = _home   # (its MONARCH_KERNEL_HOME: the meshes' connection files)
             pg.console_errors = []
             pg.on("console", lambda m: m.type == "error" and pg.console_errors.append(m.text))
             pg.goto(url)

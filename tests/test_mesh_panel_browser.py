@@ -9,6 +9,7 @@ by scripts/setup.sh when npm is there); skips, saying which is missing, otherwis
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -200,5 +201,17 @@ def test_a_mesh_of_40_ranks_shows_a_row_a_host_its_dead_rank_apart_and_every_ran
         assert "mk-dead" in hosts.nth(1).get_attribute("class")
         assert mesh.locator(".mk-proc").count() == 1
         page.screenshot(path=str(shots / "mesh-big-3-dead-rank.png"))
+
+        # a host lost (its agent killed): the other host's ranks stay listed, the mesh says
+        # "1 host gone", and its stop still ends the rest (it read "not running", stop disabled)
+        with open(os.path.join(page.home, "meshes", f"{big}.json")) as f:
+            os.kill(json.load(f)["agents"][1]["pid"], signal.SIGKILL)
+        page.wait_for_function(f"""() => {{
+            const s = document.querySelector(".mk-mesh[data-mesh='{big}'] .mk-status");
+            return s && s.textContent.includes('20 procs on') && s.textContent.includes('· 1 host gone'); }}""",
+                               timeout=15_000)
+        assert mesh.get_by_role("button", name="stop").is_enabled()
+        assert "mk-has-dead" in mesh.get_attribute("class")
+        page.screenshot(path=str(shots / "mesh-big-4-host-gone.png"))
         mesh.get_by_role("button", name="stop").click()
         mesh.wait_for(state="detached", timeout=30_000)

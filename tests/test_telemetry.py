@@ -244,6 +244,53 @@ def test_server_api_describes_meshes_from_connection_files_without_attaching():
         hm.shutdown()
 
 
+def test_the_panel_sees_a_job_that_lost_one_host_of_two_as_running_with_a_host_gone_and_its_stop_ends_the_rest():
+    """The Mesh panel's server: a job whose agent on one host was killed still runs on the
+    other (its ranks answer); it read "not running", with the stop button disabled, so the
+    living agents could not be stopped from the panel."""
+    import asyncio
+
+    from monarch_kernel.job import ProcessJob
+    from monarch_kernel.telemetry import server
+
+    job = ProcessJob(meshes={"hosts": 2}, name="tel-lost-host")
+    pids = []
+    try:
+        job.state().hosts.spawn_procs(per_host={"gpus": 1})
+        pids = [a["pid"] for a in job._agents]
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_for(lambda: not _running(pids[1]), within=10)
+        found = {m["name"]: m for m in server._meshes()}["tel-lost-host"]
+        assert found["alive"] and found["hosts_gone"] == 1, found
+        m = server.describe_mesh("tel-lost-host", found["info"], found["alive"], found["hosts_gone"])
+        assert m["hosts_gone"] == 1 and len(m["hosts"]) == 1 and [p["rank"] for p in m["procs"]] == [0], m
+        job.disconnect()   # (the panel's stop is another process's: the job as cached)
+
+        class Stop(server.StopHandler):   # its post, without a web server around it
+            def __init__(self):
+                self.sent = []
+
+            def finish(self, body):
+                self.sent.append(body)
+
+        handler = Stop()
+        asyncio.run(server.StopHandler.post.__wrapped__(handler, "tel-lost-host"))
+        assert handler.sent and "stopped" in handler.sent[0]
+        assert wait_for(lambda: not _running(pids[0]), within=15)
+        assert "tel-lost-host" not in {m["name"] for m in server._meshes()}
+    finally:
+        job.kill()
+        assert not [p for p in pids if _running(p)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_fake_gpu_samples_give_the_panel_a_gpu_line_and_none_without(monkeypatch):
     from monarch_kernel.telemetry import server
     from monarch_kernel.telemetry.store import TelemetryStore

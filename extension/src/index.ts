@@ -121,8 +121,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         const c = counts(m);
         item.node.textContent =
           `mesh ${m.name} · ${c.procs} procs` + countsText(c) + ` · ${leaseText(m)}`;
-        item.node.classList.toggle('mk-red', c.dead > 0);
-        item.node.classList.toggle('mk-amber', c.dead === 0 && c.paused + c.stuck > 0);
+        item.node.classList.toggle('mk-red', c.dead + c.hostsGone > 0);
+        item.node.classList.toggle('mk-amber', c.dead + c.hostsGone === 0 && c.paused + c.stuck > 0);
         item.node.title = 'click: show the Mesh panel';
       };
       item.node.addEventListener('click', () => labShell.activateById(panel.id));

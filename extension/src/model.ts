@@ -31,6 +31,7 @@ export interface IMesh {
   lease_s: number | null;
   detached_s: number;
   gpu: boolean;
+  hosts_gone?: number; // agents of this mesh that no longer run (a job that lost hosts)
 }
 
 export interface IMeshes {
@@ -60,16 +61,26 @@ export function held(state: string): boolean {
   return state.startsWith('paused') || STUCK.has(state);
 }
 
-export function counts(m: IMesh): { procs: number; dead: number; paused: number; stuck: number } {
+export interface ICounts {
+  procs: number;
+  dead: number;
+  paused: number;
+  stuck: number;
+  hostsGone: number;
+}
+
+export function counts(m: IMesh): ICounts {
   const dead = m.procs.filter(p => p.state === 'dead').length;
   const paused = m.procs.filter(p => p.state.startsWith('paused')).length;
   const stuck = m.procs.filter(p => STUCK.has(p.state)).length;
-  return { procs: m.procs.length, dead, paused, stuck };
+  return { procs: m.procs.length, dead, paused, stuck, hostsGone: m.hosts_gone || 0 };
 }
 
-/** The header's words for what needs a look: `· 1 dead · 2 paused · 1 not answering`. */
-export function countsText(c: { dead: number; paused: number; stuck: number }): string {
-  return (c.dead ? ` · ${c.dead} dead` : '') + (c.paused ? ` · ${c.paused} paused` : '') +
+/** The header's words for what needs a look: `· 1 host gone · 1 dead · 2 paused · 1 not answering`
+ * (a gone host's procs are not listed: its agent cannot say what they were). */
+export function countsText(c: ICounts): string {
+  return (c.hostsGone ? ` · ${c.hostsGone} host${c.hostsGone > 1 ? 's' : ''} gone` : '') +
+    (c.dead ? ` · ${c.dead} dead` : '') + (c.paused ? ` · ${c.paused} paused` : '') +
     (c.stuck ? ` · ${c.stuck} not answering` : '');
 }
 

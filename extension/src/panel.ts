@@ -196,7 +196,7 @@ function meshBlock(m: IMesh, mine: boolean, allRanks: boolean): string {
     (rdma ? `<div class="mk-extra">RDMA buffers: ${esc(rdma)}</div>` : '');
   const badge = mine ? ' <span class="mk-badge">this notebook</span>' : '';
   return (
-    `<div class="mk-mesh${c.dead ? ' mk-has-dead' : ''}" data-mesh="${esc(m.name)}">` +
+    `<div class="mk-mesh${c.dead + c.hostsGone ? ' mk-has-dead' : ''}" data-mesh="${esc(m.name)}">` +
     `<div class="mk-title"><b>${esc(m.name)}</b>${badge}</div><div class="mk-status">${esc(status)}</div>` +
     `<div class="mk-buttons">${buttons}</div>${table}${toggle}${extra}</div>`
   );

@@ -64,12 +64,17 @@ def read_connection_file(name: str) -> dict:
 
 def agent_alive(info: dict) -> bool:
     """True if every local agent pid in the file still runs (remote ones are not checked)."""
+    return not agents_gone(info)
+
+
+def agents_gone(info: dict) -> int:
+    """How many of the file's local agents no longer run (remote ones are not checked)."""
     import socket
 
     from .transport import pid_alive  # (a zombie is gone: an agent exited, its parent not reaping it yet)
 
     here = socket.gethostname()
-    return all(pid_alive(a["pid"]) for a in info.get("agents", []) if a.get("host") == here and a.get("pid"))
+    return sum(not pid_alive(a["pid"]) for a in info.get("agents", []) if a.get("host") == here and a.get("pid"))
 
 
 def list_meshes() -> list[tuple[str, dict, bool]]:

@@ -32,9 +32,17 @@ _CONTROLLER_PID = re.compile(r"/(\d+)-inbox-")   # core.transport.ipc_name("inbo
 
 
 def _meshes() -> list[dict]:
-    from monarch_kernel.core.connection import list_meshes
+    """Every mesh of this machine. One whose agents are only partly gone (a job that lost a
+    host) is alive here, with ``hosts_gone``: its other hosts' ranks still answer, and its
+    stop button must still end them (it read "not running", the button disabled)."""
+    from monarch_kernel.core.connection import agents_gone, list_meshes
 
-    return [{"name": name, "info": info, "alive": alive} for name, info, alive in list_meshes()]
+    out = []
+    for name, info, alive in list_meshes():
+        gone = 0 if alive else agents_gone(info)
+        out.append({"name": name, "info": info, "alive": alive or gone < len(info.get("agents", [])),
+                    "hosts_gone": gone})
+    return out
 
 
 def _ask(info: dict, op: str, *args, timeout: float = ASK_TIMEOUT_S, per_agent=None) -> dict:
@@ -55,9 +63,10 @@ def _ask(info: dict, op: str, *args, timeout: float = ASK_TIMEOUT_S, per_agent=N
     return out
 
 
-def describe_mesh(name: str, info: dict, alive: bool) -> dict:
+def describe_mesh(name: str, info: dict, alive: bool, hosts_gone: int = 0) -> dict:
     mesh = {"name": name, "alive": alive, "persistent": info.get("persistent", False), "hosts": [],
-            "procs": [], "lease_s": info.get("lease"), "detached_s": 0.0, "controller_pids": [], "gpu": False}
+            "procs": [], "lease_s": info.get("lease"), "detached_s": 0.0, "controller_pids": [], "gpu": False,
+            "hosts_gone": hosts_gone}
     if not alive:
         return mesh
     st = store()
@@ -132,7 +141,7 @@ class MeshesHandler(APIHandler):
     @web.authenticated
     async def get(self):
         meshes = _meshes()
-        described = await asyncio.to_thread(lambda: [describe_mesh(m["name"], m["info"], m["alive"])
+        described = await asyncio.to_thread(lambda: [describe_mesh(m["name"], m["info"], m["alive"], m["hosts_gone"])
                                                      for m in meshes])
         _forget_gone_agents(meshes)
         pid = _kernel_pid(self.settings.get("serverapp") or self, self.get_argument("kernel", None))

@@ -250,6 +250,7 @@ def test_the_panel_sees_a_job_that_lost_one_host_of_two_as_running_with_a_host_g
     living agents could not be stopped from the panel."""
     import asyncio
 
+    from monarch_kernel.core.transport import pid_alive as _running  # (a zombie is not running)
     from monarch_kernel.job import ProcessJob
     from monarch_kernel.telemetry import server
 
@@ -281,14 +282,6 @@ def test_the_panel_sees_a_job_that_lost_one_host_of_two_as_running_with_a_host_g
     finally:
         job.kill()
         assert not [p for p in pids if _running(p)]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_fake_gpu_samples_give_the_panel_a_gpu_line_and_none_without(monkeypatch):

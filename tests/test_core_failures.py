@@ -253,6 +253,9 @@ def test_killed_proc_shows_as_dead_in_proc_states_while_others_run(victims):
         time.sleep(0.05)
         states = pm.states().values()
     assert states[0]["state"] == "dead" and states[1]["state"] == "in v.sleep", states
+    # where its main thread is: the endpoint's frame, innermost last (a rank stuck in native
+    # code names the Python call it is in)
+    assert states[1]["where"].endswith(" sleep") and "test_core_failures.py:" in states[1]["where"], states[1]
 
 
 def test_a_call_that_times_out_names_the_ranks_it_waits_for_and_states_says_why(victims):

@@ -188,3 +188,32 @@ def test_setup_torch_elastic_env_sets_torchruns_variables_on_every_proc(procs):
                        "ROLE_RANK": str(rank), "ROLE_NAME": "default"}
     with pytest.raises(ValueError, match="spans the whole proc mesh"):
         setup_torch_elastic_env(procs.slice(gpus=slice(0, 2)))
+
+
+class Napper(Actor):
+    @endpoint
+    def nap(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+
+def test_a_group_that_does_not_form_says_which_ranks_were_busy_and_where():
+    """Rank 1 is busy when the group is formed: rank 0 waits for it at the rendezvous and
+    fails naming a store key only. The error now says which ranks were still busy and at
+    which Python line (what round 21's CI could not tell of a rank that never joined)."""
+    import time
+
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="tensor-not-formed")
+    try:
+        naps = pm.spawn("napper", Napper)
+        busy = naps.slice(gpus=1).nap.call(4.5)   # (outlasts rank 0's 3 s at the rendezvous)
+        time.sleep(0.3)   # (rank 1 is in its nap)
+        with pytest.raises(Exception) as err:
+            pm.init_process_group(timeout=2)
+        notes = "\n".join(getattr(err.value, "__notes__", []))
+        assert "ranks still busy when the group failed to form: rank 1: in napper.nap, at " in notes, (err.value, notes)
+        assert "test_tensor.py:" in notes and " nap" in notes, notes
+        busy.get(30)
+    finally:
+        pm.stop()

@@ -308,6 +308,8 @@ class ProcWorker:
             state = "awaiting " + ", ".join(sorted({w for _, w in self.async_calls.values()}))
         info = {"state": state, "pid": os.getpid(), "host": self.host, "rank": self.rank,
                 "actors": sorted({s.name for s in self.actors.values()}), **self.query_extra()}
+        if state != "idle":
+            info["where"] = main_thread_at()
         self.rt.send(m.reply_to, self.key, Reply.make(m.call_id, self.proc_key, True, info))
 
     def query_extra(self) -> dict:
@@ -990,6 +992,17 @@ _POLLIN = int(zmq.POLLIN)
 _QUEUED_S = 20e-6  # a blocking recv back within this: the message was already waiting
 QUICK_S = 100e-6   # a call this quick may have its reply held, and run while others' are held
 UNBORN_WAIT_S = 5.0   # a call for an actor this proc never had waits this long for its spawn
+
+
+def main_thread_at(frames: int = 3) -> str:
+    """Where this proc's main thread is now, innermost last: ``file:line function`` of its
+    last few Python frames (a rank blocked in native code shows the Python call it is in),
+    for a state query asked while it is busy."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    stack = traceback.extract_stack(frame)[-frames:]
+    return " > ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack)
 
 
 def _method_entry(slot: ActorSlot, method: str) -> tuple:

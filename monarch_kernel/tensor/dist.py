@@ -144,11 +144,48 @@ def init_process_group(procs: ProcMesh, backend: str | None = None,
     envs = _envs(g, procs, None, None)
     g.generation += 1
     st = state_of(procs)
-    g.workers.init_group.call(envs, backend, timeout_s, st.labels, st.sizes, g.generation).get(timeout_s + 30)
+    _formed(procs, g.workers.init_group.call(envs, backend, timeout_s, st.labels, st.sizes, g.generation),
+            timeout_s + 30)
     g.backend, g.timeout_s, g.keys, g.broken = backend, timeout_s, tuple(r.key for r in st.procs), None
     if g.engine is not None:
         g.engine.reset(g.generation)
     return procs
+
+
+def _formed(procs: ProcMesh, fut, timeout_s: float) -> None:
+    """Wait for every rank's ``init_group``. When it fails, the error says which ranks were
+    still busy, and where, at the moment the first rank failed (a rank that never joined the
+    rendezvous names no store key of its own; by the end of the call it may be idle)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    note = None
+    while True:
+        try:
+            fut.get(max(0.0, min(0.5, deadline - time.monotonic())))
+            return
+        except TimeoutError as e:
+            if time.monotonic() >= deadline:
+                e.add_note(note or _not_joined(procs))
+                raise
+            if note is None and any(a and isinstance(v, BaseException)
+                                    for a, v in runtime().answered_so_far(fut) or ()):
+                note = _not_joined(procs)
+        except Exception as e:
+            e.add_note(note or _not_joined(procs))
+            raise
+
+
+def _not_joined(procs: ProcMesh) -> str:
+    """The ranks of a group that did not form that are still busy, and where."""
+    try:
+        states = procs.states(timeout=2.0).values()
+    except Exception as e:   # (a note must not hide the failure it explains)
+        return f"(the ranks' states could not be read: {e})"
+    busy = [f"rank {s.get('rank', i)}: {s.get('state')}" + (f", at {s['where']}" if s.get("where") else "")
+            for i, s in enumerate(states) if s.get("state") != "idle"]
+    return ("ranks still busy when the group failed to form: " + "; ".join(busy)) if busy else \
+        "every rank was idle when the group failed to form"
 
 
 def _default_backend(g: MeshGroup) -> str:

@@ -999,10 +999,12 @@ def main_thread_at(frames: int = 3) -> str:
     last few Python frames (a rank blocked in native code shows the Python call it is in),
     for a state query asked while it is busy."""
     frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return ""
-    stack = traceback.extract_stack(frame)[-frames:]
-    return " > ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack)
+    at = []
+    while frame is not None and len(at) < frames:   # (no source read: `%mesh top` asks every second)
+        code = frame.f_code
+        at.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " > ".join(reversed(at))
 
 
 def _method_entry(slot: ActorSlot, method: str) -> tuple:

@@ -11,9 +11,8 @@ import time
 from IPython.core.error import UsageError
 
 from ..core import silent_procs
-from ..core.connection import list_meshes
+from ..core.connection import agents_gone, list_meshes
 from ..core.mesh import ProcMesh, state_of, view_of
-from ..core.transport import pid_alive
 from .display import Table, rank_ranges
 from .magics import mesh_command, mesh_parser
 from .on_mesh import select
@@ -273,10 +272,10 @@ LIST = mesh_parser("list", "meshes known on this machine and whether their agent
 def list_(ctx, args):
     here = socket.gethostname()
     rows = []
-    for name, info, _ in list_meshes():
+    for name, info, alive in list_meshes():
+        gone = 0 if alive else agents_gone(info)   # (its local agents that no longer run, zombies too)
         agents = info.get("agents", [])
         local = [a for a in agents if a.get("host") == here and a.get("pid")]
-        gone = sum(not pid_alive(a["pid"]) for a in local)   # a zombie agent is gone too
         pids = ", ".join(str(a["pid"]) for a in local) or "-"
         mark = "connected" if name == ctx.session.name and ctx.session.procs is not None else ""
         # (a job that lost some of its hosts: the others' ranks still answer, until it is stopped)

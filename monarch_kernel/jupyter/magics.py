@@ -254,7 +254,7 @@ class MeshMagics(Magics):
             run = _Run(target, "run", run_args, args.timeout, cap)
         except SupervisionError as e:
             self.router.end(cap)
-            raise refused_for_death(target, e) or _died(e)
+            raise refused_for_death(target) or _died(e)
         except BaseException:
             self.router.end(cap)
             raise

@@ -258,7 +258,7 @@ def values_after_death(run: _Run, err: SupervisionError) -> list | None:
     return values
 
 
-def refused_for_death(target: ActorMesh, err: SupervisionError):
+def refused_for_death(target: ActorMesh):
     """The error of a cell its mesh would not send because ranks of it are dead: every dead
     rank (one line per way they died), that the cell ran nowhere, and the ``--ranks`` that
     runs it on the living ones. (It named the first dead rank only, and not whether the cell
@@ -267,20 +267,12 @@ def refused_for_death(target: ActorMesh, err: SupervisionError):
 
     dead = runtime().dead
     procs = state_of(target).proc_state.procs
-    ranks = list(view_of(target).ranks)
-    groups: dict[str, list] = {}
-    living = []
-    for r in ranks:
-        e = dead.get(procs[r].key)
-        if e is None:
-            living.append(r)
-            continue
-        text = supervision_message(e)
-        g = groups.setdefault(_without_who(text), [[], text])
-        g[0].append(r)
-    if not groups:   # (the mesh named a death this kernel has not recorded: its own words)
+    gone = {r: dead[procs[r].key] for r in view_of(target).ranks if procs[r].key in dead}
+    if not gone:   # (the mesh named a death this kernel has not recorded: its own words)
         return None
-    gs = [(rs, "SupervisionError", text if len(rs) == 1 else key, "") for key, (rs, text) in groups.items()]
+    living = [r for r in view_of(target).ranks if r not in gone]
+    gs = failure_groups(list(gone), [ActorError(supervision_message(e), exc_type="SupervisionError")
+                                     for e in gone.values()])
     note = "the cell ran on no rank"
     if living:
         note += f"; `%%on_mesh --ranks {ranges(living)}` runs it on the living ones"
@@ -305,8 +297,25 @@ def outcome(run: _Run, values) -> CellValues:
     result = CellValues(extent, values, run.ranks)
     if not any_failed(values):
         return result
+    gs = failure_groups(run.ranks, values)
+    if not gs:
+        return result
+    failed = {r for g in gs for r in g[0]}
+    ok = [r for r in run.ranks if r not in failed]
+    note = f"the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""
+    if run.interrupted_at is not None:
+        note = f"{run.what} {run.reason} on every rank; the mesh is still usable" + (
+            f"; {note}" if note else "")
+        raise cell_error(gs, result, note, base=CellInterrupted)
+    raise cell_error(gs, result, note)
+
+
+def failure_groups(ranks, values) -> list[tuple[list[int], str, str, str]]:
+    """The ranks that failed, one group per error that reads alike once its rank and pid are
+    left out, in the order of their first rank: (ranks, type, words, traceback). A rank alone
+    keeps its own words, its pid among them."""
     groups: dict[tuple[str, str], list] = {}
-    for r, v in zip(run.ranks, values, strict=False):
+    for r, v in zip(ranks, values, strict=False):
         if isinstance(v, CellFailure):
             key, tb, own = (v.exc_type, v.message), v.traceback, v.message
         elif isinstance(v, ActorError):
@@ -316,19 +325,8 @@ def outcome(run: _Run, values) -> CellValues:
             continue
         g = groups.setdefault(key, [[], tb, own])
         g[0].append(r)
-    if not groups:
-        return result
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0][0])
-    # (a rank alone keeps its own words, its pid among them)
-    gs = [(ranks, t, own if len(ranks) == 1 else m, tb) for (t, m), (ranks, tb, own) in ordered]
-    failed = {r for g in gs for r in g[0]}
-    ok = [r for r in run.ranks if r not in failed]
-    note = f"the other ranks' values ({rank_list(ok)}) are in `_on_mesh`" if ok else ""
-    if run.interrupted_at is not None:
-        note = f"{run.what} {run.reason} on every rank; the mesh is still usable" + (
-            f"; {note}" if note else "")
-        raise cell_error(gs, result, note, base=CellInterrupted)
-    raise cell_error(gs, result, note)
+    return [(rs, t, own if len(rs) == 1 else m, tb) for (t, m), (rs, tb, own) in ordered]
 
 
 # "rank 17 (host vm, pid 4242)" in a failure's words (core/errors.py: MeshFailure)

@@ -18,6 +18,7 @@ Decisions (the issue leaves them to us):
 from __future__ import annotations
 
 import threading
+import time
 
 from ..core.errors import MeshGoneError
 from ..core.mesh import ProcMesh, ProcMeshState, state_of, view_of
@@ -156,8 +157,6 @@ def _formed(procs: ProcMesh, fut, timeout_s: float) -> None:
     """Wait for every rank's ``init_group``. When it fails, the error says which ranks were
     still busy, and where, at the moment the first rank failed (a rank that never joined the
     rendezvous names no store key of its own; by the end of the call it may be idle)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     note = None
     while True:

@@ -6,17 +6,46 @@ its own address on a bridge whose address is this machine's side (the controller
         net.link("n2", up=False)        # cut n2 off
         net.enter("n1", ["cmd", ...])   # argv that runs cmd inside n1 (own hostname too)
 
-Names carry a random suffix (under 15 characters); ``close()`` deletes them all.
+Names carry a random suffix (under 15 characters); ``close()`` deletes them all. A run
+killed before its teardown (SIGKILL, a machine cut off) cannot: each set is registered with
+its creator's pid under ``REGISTRY``, and the next set made on the machine deletes those of
+creators that are gone (``sweep_stale``).
 """
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import subprocess
 
+REGISTRY = "/run/mk-test-netns"   # tag -> the pid of the test process that made that set
+
 
 def ip_cmd(*args, check=True):
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def sweep_stale() -> None:
+    """Delete the namespaces and bridge of every set whose creator no longer runs."""
+    from monarch_kernel.core.transport import pid_alive
+
+    try:
+        tags = os.listdir(REGISTRY)
+    except FileNotFoundError:
+        return
+    for tag in tags:
+        try:
+            with open(os.path.join(REGISTRY, tag)) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            pid = 0
+        if pid and pid_alive(pid):
+            continue
+        for ns in os.listdir("/run/netns") if os.path.isdir("/run/netns") else ():
+            if ns.startswith(f"mkn{tag}"):
+                ip_cmd("netns", "del", ns, check=False)   # (its veth pair goes with it)
+        ip_cmd("link", "del", f"mkb{tag}", check=False)
+        os.remove(os.path.join(REGISTRY, tag))
 
 
 class BridgedHosts:
@@ -52,6 +81,10 @@ class BridgedHosts:
         self.close()
 
     def open(self) -> None:
+        sweep_stale()
+        os.makedirs(REGISTRY, exist_ok=True)
+        with open(os.path.join(REGISTRY, self.tag), "w") as f:
+            f.write(str(os.getpid()))
         ip_cmd("link", "add", self.bridge, "type", "bridge")
         ip_cmd("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
         ip_cmd("link", "set", self.bridge, "up")
@@ -98,3 +131,7 @@ class BridgedHosts:
         for ns in self.netns.values():
             ip_cmd("netns", "del", ns, check=False)
         ip_cmd("link", "del", self.bridge, check=False)
+        try:
+            os.remove(os.path.join(REGISTRY, self.tag))
+        except FileNotFoundError:
+            pass

@@ -50,8 +50,19 @@ def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: l
     return rows, "; ".join(notes)
 
 
-def ranges(ranks) -> str:
-    """[0, 1, 2, 5] -> '0-2,5' (ranks in order, runs as first-last)."""
+def rank_ranges(ranks, limit: int | None = None) -> str:
+    """[0, 1, 2, 3, 5] -> 'ranks 0-3,5'; [2] -> 'rank 2'. ``limit``: past that many
+    characters of ranges, '95 ranks (1-3,6,11,…)' (ranks scattered over a big mesh)."""
+    ranks = list(ranks)
+    text = ranges(ranks, limit)
+    if text.endswith(GAP):
+        return f"{len(ranks)} ranks ({text})"
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def ranges(ranks, limit: int | None = None) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (ranks in order, runs as first-last); ``limit``: cut at the
+    last whole range within that many characters, ending ',…'."""
     ranks, parts, i = sorted(ranks), [], 0
     while i < len(ranks):
         j = i
@@ -59,4 +70,7 @@ def ranges(ranks) -> str:
             j += 1
         parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
-    return ",".join(parts)
+    text = ",".join(parts)
+    if limit is not None and len(text) > limit and "," in text[:limit]:
+        text = text[:text.rfind(",", 0, limit)] + "," + GAP
+    return text

@@ -16,6 +16,12 @@ Console grammar (anything else goes to the rank in front as a pdb command)::
 When the rank in front continues, the console moves on to the next paused rank and
 closes when none is left. An interrupt (KeyboardInterrupt) interrupts every paused rank:
 none is left paused.
+
+At hundreds of ranks (a ``breakpoint()`` in a cell on every rank) what the ranks say alike
+is said once: ranks paused at the same place are one line (``debugger: ranks 0-255 paused
+at ...``), the same output from several ranks is shown once with their ranks, as a cell's
+output is, and the console waits for a burst of pauses to settle (``SETTLE_S``) before it
+speaks.
 """
 from __future__ import annotations
 
@@ -23,12 +29,20 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
-from .registry import DebugError, DebugRegistry, PausedSession
+from ..core.mesh_tables import ranges, rank_ranges
+from .registry import DebugError, DebugRegistry, PausedSession, table_rows
 
 HELP = ("debugger: pdb commands go to the rank in front; `rank N` switches, `ranks` lists, "
         "`cast RANKS CMD` sends to several, `continue all` resumes all, `detach` leaves them paused")
+
+
+SETTLE_S = 0.1             # the console speaks once no rank has paused for this long ...
+SETTLE_PER_RANK_S = 0.002  # ... longer while ranks of the cell are still on their way ...
+SETTLE_MAX_S = 1.0         # ... or after this, however many still pause
+RANKS_CHARS = 48           # a longer set of ranks is cut: '95 ranks (1-3,6,11,…)'
 
 
 class NoStdin(Exception):
@@ -49,9 +63,11 @@ class Console:
                 and reg.pauses > self.seen_pauses)
 
     # ---------------------------------------------------------------- the loop
-    def run(self, rank: int | None = None, on_interrupt: Callable[[], None] | None = None) -> None:
+    def run(self, rank: int | None = None, on_interrupt: Callable[[], None] | None = None,
+            running: Callable[[], int] | None = None) -> None:
         """Drive paused ranks until none is paused (or ``detach``). ``on_interrupt``: called
-        on KeyboardInterrupt instead of re-raising it (after the ranks were interrupted)."""
+        on KeyboardInterrupt instead of re-raising it (after the ranks were interrupted);
+        ``running``: how many ranks of the waiting cell have not answered (paused or not)."""
         if self.active:
             return
         self.active = True
@@ -69,6 +85,9 @@ class Console:
                     if not first:
                         self.write("debugger: no rank is paused any more\n")
                     return
+                if first:
+                    self._settle(running)
+                    sessions = reg.paused() or sessions
                 if current is None or current.key not in reg.sessions:
                     prev = current
                     current = _next_after(sessions, prev)
@@ -144,13 +163,15 @@ class Console:
         def done():
             return all(s.answered for s in targets)
 
+        # One rank's output is shown as it comes; several ranks' when all have answered (or
+        # every 0.5 s while some have not), so that what they said alike is said once.
+        ready = done if label else (lambda: done() or any(s.unread for s in targets))
         while True:
-            finished = reg.wait(lambda: done() or any(s.unread for s in targets), 0.5)
+            finished = reg.wait(ready, 0.5)
             # Decide before flushing: a rank's output precedes its prompt, so once it has
             # answered, this flush shows all of it, labelled as this wait labels it.
             finished = finished and done()
-            for s in targets:
-                self._flush(s, label=label)
+            self._flush(targets, label=label)
             if finished and done():
                 return
 
@@ -164,37 +185,60 @@ class Console:
             self.reg.quiet -= 1
 
     # ---------------------------------------------------------------- output
+    def _settle(self, running: Callable[[], int] | None) -> None:
+        """Wait until the ranks that pause together have paused, so that they are announced
+        together: until every rank of the cell still running is paused, or none has paused
+        for ``SETTLE_S`` plus ``SETTLE_PER_RANK_S`` for each still on its way (on a small
+        machine the controller waits for a CPU behind them), ``SETTLE_MAX_S`` at most."""
+        reg, end = self.reg, time.monotonic() + SETTLE_MAX_S
+        while True:
+            seen = reg.pauses
+            paused = sum(1 for s in list(reg.sessions.values()) if s.prompts)
+            on_way = max(0, running() - paused) if running is not None else 0
+            left = end - time.monotonic()
+            if (running is not None and on_way == 0) or left <= 0:
+                return
+            if not reg.wait(lambda seen=seen: reg.pauses != seen,
+                            min(left, SETTLE_S + SETTLE_PER_RANK_S * on_way)):
+                return
+
     def _announce(self, sessions, announced: set, current: PausedSession, first: bool) -> None:
         new = [s for s in sessions if s.key not in announced and s.prompts]
         if not new:
             return
-        for s in new:
-            announced.add(s.key)
-            self.write(f"debugger: {s.describe()}\n")
+        announced.update(s.key for s in new)
+        for ranks, place in alike((s.rank, s.place) for s in new):
+            self.write(f"debugger: {rank_ranges(ranks, RANKS_CHARS)} paused at {place}\n")
         if first:
             self.write(HELP + "\n")
         if len(sessions) > 1:
-            self.write(f"debugger: {len(sessions)} ranks paused ({', '.join(str(s.rank) for s in sessions)}); "
+            self.write(f"debugger: {len(sessions)} ranks paused ({ranges((s.rank for s in sessions), RANKS_CHARS)}); "
                        f"commands go to rank {current.rank}\n")
 
     def _show_output(self, current: PausedSession, sessions) -> None:
-        for s in sessions:
-            self._flush(s, label=s is not current)
+        self._flush([current], label=False)
+        self._flush([s for s in sessions if s is not current], label=True)
 
-    def _flush(self, s: PausedSession, label: bool) -> None:
+    def _flush(self, sessions: list[PausedSession], label: bool) -> None:
+        """Write what ``sessions`` said since the last flush; ``label``: each line with its
+        ranks, and what several ranks said alike once (``[ranks 0-255] -> breakpoint()``)."""
         with self.reg.cond:
-            chunks, s.unread = s.unread, []
-        text = "".join(chunks)
-        if not text:
+            said = []
+            for s in sessions:
+                chunks, s.unread = s.unread, []
+                if chunks:
+                    said.append((s.rank, "".join(chunks)))
+        if not label:
+            self.write("".join(text for _, text in said))
             return
-        if label:
-            text = "".join(f"[rank {s.rank}] {ln}\n" for ln in text.rstrip("\n").split("\n"))
-        self.write(text)
+        for ranks, text in alike(said):
+            who = f"[{rank_ranges(ranks, RANKS_CHARS)}] "
+            self.write("".join(f"{who}{ln}\n" for ln in text.rstrip("\n").split("\n")))
 
     def _no_stdin(self) -> None:
         """No input box: continue the ranks so the cell can finish, and say why."""
         targets = self.reg.continue_all()
-        self.write(f"debugger: ranks {', '.join(str(s.rank) for s in targets)} paused in breakpoint(), but this "
+        self.write(f"debugger: {rank_ranges(s.rank for s in targets)} paused in breakpoint(), but this "
                    "front-end cannot answer input requests (allow_stdin is off); they were continued. Show "
                    "`%mesh debug` (the widget) before running the cell, or use a front-end with input boxes\n")
 
@@ -225,10 +269,20 @@ def split_cast(rest: str) -> tuple[str, str]:
 def table(sessions: list[PausedSession]) -> str:
     if not sessions:
         return "no rank is paused in the debugger"
-    rows = [("rank", "in", "where", "function", "state")]
-    rows += [(str(s.rank), s.what or "?", s.where, s.function, s.state) for s in sessions]
+    body, note = table_rows(sessions)
+    rows = [["rank", "in", "where", "function", "state"], *body]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return f"{text}\n({note})" if note else text
+
+
+def alike(said: Iterable[tuple[int, str]]) -> list[tuple[list[int], str]]:
+    """``(rank, text)`` pairs -> ``(ranks, text)``, one per distinct text, in the order of
+    each text's first rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in said:
+        groups.setdefault(text, []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]
 
 
 def _sigint_raises():

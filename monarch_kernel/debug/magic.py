@@ -25,7 +25,8 @@ from monarch_kernel.core.mesh import view_of
 from monarch_kernel.jupyter import on_mesh
 from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
 
-from .console import console, table
+from ..core.mesh_tables import rank_ranges
+from .console import RANKS_CHARS, alike, console, table
 from .registry import DebugError, registry
 
 ACTIONS = ("list", "attach", "cast", "continue", "dap", "console")
@@ -131,32 +132,46 @@ def _install_dap() -> None:
 
 
 # ----------------------------------------------------------------------- running %%on_mesh cells
-_announced = 0
+_said: set[str] = set()   # paused sessions the widget mode has named (each once)
 
 
 def on_mesh_tick(run) -> None:
     """WAIT_HOOKS entry: a rank paused while an ``%%on_mesh`` cell runs."""
-    global _announced
-    reg = registry()
-    c = console()
-    if not c.wanted():
-        return
     from .widget import DebuggerWidget, WidgetMode, widget_shown
 
+    reg = registry()
+    c = console()
+    widget = WidgetMode.on or widget_shown()
+    if widget and reg.sessions:
+        _name_new_pauses(reg, run)
+    if not c.wanted():
+        return
     if run.capture is not None:
         run.capture.go_live()   # what the ranks printed before they paused comes first
-    if WidgetMode.on or widget_shown():
-        if reg.pauses > _announced:
-            _announced = reg.pauses
-            for s in reg.paused():
-                print(f"debugger: {s.describe()}; the debugger widget drives it")
+    if widget:
         if WidgetMode.on and getattr(run, "debugger_widget", None) is None:
-            sys.stdout.flush()   # the line above comes before the widget
+            sys.stdout.flush()   # the lines naming the paused ranks come before the widget
             run.debugger_widget = DebuggerWidget(reg)
             run.debugger_widget.display()
         c.seen_pauses = reg.pauses
         return
-    c.run(on_interrupt=lambda: run.interrupt("interrupted"))
+    c.run(on_interrupt=lambda: run.interrupt("interrupted"),
+          running=lambda: run.pending.remaining if run.pending is not None else 0)
+
+
+def _name_new_pauses(reg, run) -> None:
+    """With the widget, the cell's output names the ranks that paused (once each, those
+    paused alike on one line) and leaves driving them to the widget."""
+    _said.intersection_update(reg.sessions)   # a rank paused again is named again
+    new = [s for s in reg.paused() if s.key not in _said and s.prompts]
+    if not new:
+        return
+    _said.update(s.key for s in new)
+    if run.capture is not None:
+        run.capture.go_live()
+    for ranks, place in alike((s.rank, s.place) for s in new):
+        print(f"debugger: {rank_ranges(ranks, RANKS_CHARS)} paused at {place}; the debugger widget drives "
+              f"{'it' if len(ranks) == 1 else 'them'}")
 
 
 def on_mesh_done(run) -> None:
@@ -164,8 +179,8 @@ def on_mesh_done(run) -> None:
     w = getattr(run, "debugger_widget", None)
     if w is not None and w.open:
         ranks = sorted(w.texts)
-        w.close(summary=f"mesh debugger: drove rank{'s' if len(ranks) != 1 else ''} "
-                        f"{', '.join(map(str, ranks))} in this cell (the widget closed when the cell ended)")
+        w.close(summary=f"mesh debugger: drove {rank_ranges(ranks)} in this cell "
+                        "(the widget closed when the cell ended)")
 
 
 if on_mesh_done not in on_mesh.DONE_HOOKS:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from monarch_kernel.core.mesh import state_of
 
+from ..core.mesh_tables import rank_ranges, rank_rows
 from ..core.messages import Interrupt
 from ..core.runtime import Runtime, runtime
 from ..core.shape import MeshView, parse_rank_spec
@@ -45,9 +46,14 @@ class PausedSession:
     def where(self) -> str:
         return f"{self.file}:{self.line}"
 
-    def describe(self) -> str:
+    @property
+    def place(self) -> str:
+        """Where it is paused, without its rank: ranks paused alike share it."""
         what = f" ({self.what})" if self.what else ""
-        return f"rank {self.rank} paused at {self.where} in {self.function}(){what}"
+        return f"{self.where} in {self.function}(){what}"
+
+    def describe(self) -> str:
+        return f"rank {self.rank} paused at {self.place}"
 
     def _update(self, info: dict) -> None:
         self.file = info.get("file", self.file)
@@ -63,6 +69,14 @@ class PausedSession:
     def _add_output(self, text: str) -> None:
         self.output = (self.output + text)[-OUTPUT_KEEP:]
         self.unread.append(text)
+
+
+def table_rows(sessions: list[PausedSession]) -> tuple[list[list[str]], str]:
+    """The paused-ranks table (rank, in, where, function, state) for the console and the
+    widget: a row per rank, and past ``mesh_tables.BIG_TABLE`` ranks neighbours paused alike
+    share a row (256 ranks in one ``breakpoint()`` are one row, not 256), with its note."""
+    return rank_rows([s.rank for s in sessions], [{} for _ in sessions],
+                     [(s.what or "?", s.where, s.function, s.state) for s in sessions])
 
 
 class DebugError(ValueError):
@@ -127,7 +141,7 @@ class DebugRegistry:
 
     def _paused_note(self) -> str:
         ranks = [s.rank for s in self.paused()]
-        return f"paused: {', '.join(map(str, ranks))}" if ranks else "no rank is paused"
+        return f"paused: {rank_ranges(ranks)}" if ranks else "no rank is paused"
 
     def select(self, spec: str) -> list[PausedSession]:
         """Paused sessions named by Monarch's rank grammar (``3``, ``1,4,6``, ``0:8:2``,
@@ -143,7 +157,7 @@ class DebugRegistry:
         by_rank = {s.rank: s for s in self.paused()}
         missing = [r for r in ranks if r not in by_rank]
         if missing:
-            which = f"rank {missing[0]} is" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))} are"
+            which = f"{rank_ranges(missing)} {'is' if len(missing) == 1 else 'are'}"
             raise DebugError(f"{which} not paused in the debugger ({self._paused_note()})")
         return [by_rank[r] for r in ranks]
 

@@ -3,6 +3,12 @@
 Live table of paused ranks, a rank selector, a command box, buttons (continue, step,
 next, up, down, where, continue all) and an output pane with a button per rank: choosing
 ranks in the list shows the first one's pane, which opens scrolled to its newest line.
+
+At hundreds of ranks: the table merges neighbours paused alike (``registry.table_rows``),
+the pane has buttons for at most ``PANE_BUTTONS`` ranks (the one shown, those chosen in the
+list, then the first), and the widget is redrawn at most every ``RENDER_GAP_S`` however
+many ranks pause or answer (256 ranks pausing at once sent 27 MB of widget state in 8 s
+when each event redrew a 256-row table).
 Shown as a transient widget (jupyter/transient.py) under the cell whose ranks paused:
 when that cell ends, on close, or at kernel shutdown it becomes a line of text, so a saved
 notebook holds no dead widget. The registry calls
@@ -16,15 +22,19 @@ from __future__ import annotations
 
 import html
 import threading
+import time
 import weakref
 
 import ipywidgets as W
 
-from .registry import DebugError, DebugRegistry, PausedSession
+from ..core.mesh_tables import rank_ranges
+from .registry import DebugError, DebugRegistry, PausedSession, table_rows
 
 _SHOWN: weakref.WeakSet = weakref.WeakSet()
 BUTTONS = (("continue", "continue"), ("step", "step"), ("next", "next"), ("up", "up"), ("down", "down"),
            ("where", "where"))
+RENDER_GAP_S = 0.1   # the widget is redrawn at most this often (events between are one redraw)
+PANE_BUTTONS = 12    # ranks with a button above the output pane; the list chooses any other
 
 
 class WidgetMode:
@@ -45,7 +55,11 @@ class DebuggerWidget:
         self.reg = reg
         self.open = True
         self._lock = threading.RLock()
+        self._due_lock = threading.Lock()
+        self._due: threading.Timer | None = None   # a redraw waiting for RENDER_GAP_S to pass
+        self._last_render = 0.0
         self.texts: dict[int, str] = {}      # rank -> its pane's text (kept after it resumes)
+        self.pane_for: int | None = None     # the rank whose output the pane shows
         self.pane = W.HTML()
         self.pane_rank = W.ToggleButtons(options=[], description="output", style={"button_width": "110px"})
         self.shown = None   # the TransientWidget once displayed
@@ -78,7 +92,7 @@ class DebuggerWidget:
             self.status, self.pane_rank, self.pane,
         ])
         self.ranks.observe(self._ranks_chosen, names="value")
-        self.pane_rank.observe(lambda _: self._render(), names="value")
+        self.pane_rank.observe(self._pane_chosen, names="value")
         self.box.add_class("monarch-debugger")
         for s in reg.paused():
             self.texts[s.rank] = s.output
@@ -100,8 +114,14 @@ class DebuggerWidget:
 
     def _ranks_chosen(self, change) -> None:
         chosen = [r for r in change["new"] if r in self.texts]
-        if chosen and self.pane_rank.value != chosen[0]:
-            self.pane_rank.value = chosen[0]
+        if chosen and self.pane_for != chosen[0]:
+            self.pane_for = chosen[0]
+            self._render()
+
+    def _pane_chosen(self, change) -> None:
+        if change["new"] is not None and change["new"] != self.pane_for:
+            self.pane_for = change["new"]
+            self._render()
 
     # ---------------------------------------------------------------- actions (kernel main thread)
     def selected(self) -> list[PausedSession]:
@@ -110,8 +130,8 @@ class DebuggerWidget:
         if chosen:
             return chosen
         if self.ranks.value:
-            raise DebugError(f"the selected rank{'s' if len(self.ranks.value) > 1 else ''} "
-                             f"{', '.join(map(str, self.ranks.value))} no longer paused")
+            raise DebugError(f"the selected {rank_ranges(self.ranks.value)} "
+                             f"{'are' if len(self.ranks.value) > 1 else 'is'} no longer paused")
         if len(paused) == 1:
             return list(paused.values())
         if not paused:
@@ -126,8 +146,7 @@ class DebuggerWidget:
             targets = self.selected()
             for s in targets:
                 self.reg.send(s, line)
-            self._say(f"sent <code>{html.escape(line)}</code> to rank{'s' if len(targets) > 1 else ''} "
-                      f"{', '.join(str(s.rank) for s in targets)}")
+            self._say(f"sent <code>{html.escape(line)}</code> to {rank_ranges(s.rank for s in targets)}")
             if clear:
                 self.command.value = ""
         except DebugError as e:
@@ -136,7 +155,7 @@ class DebuggerWidget:
     def continue_all(self) -> None:
         targets = self.reg.continue_all()
         if targets:
-            self._say(f"continued rank{'s' if len(targets) > 1 else ''} {', '.join(str(s.rank) for s in targets)}")
+            self._say(f"continued {rank_ranges(s.rank for s in targets)}")
         else:
             self._say("no rank is paused in the debugger", error=True)
 
@@ -146,6 +165,10 @@ class DebuggerWidget:
         if summary is None:
             WidgetMode.on = False
         self.open = False
+        with self._due_lock:
+            if self._due is not None:
+                self._due.cancel()
+                self._due = None
         if self._changed in self.reg.listeners:
             self.reg.listeners.remove(self._changed)
         if self.shown is not None:
@@ -163,10 +186,31 @@ class DebuggerWidget:
             return
         if s is not None:
             self.texts[s.rank] = s.output
+        self._render_soon()
+
+    def _render_soon(self) -> None:
+        """Redraw now, or once ``RENDER_GAP_S`` has passed since the last redraw (one timer
+        for all the events in between)."""
+        with self._due_lock:
+            if self._due is not None:
+                return
+            wait = self._last_render + RENDER_GAP_S - time.monotonic()
+            if wait > 0:
+                self._due = threading.Timer(wait, self._render_due)
+                self._due.daemon = True
+                self._due.start()
+                return
         self._render()
+
+    def _render_due(self) -> None:
+        with self._due_lock:
+            self._due = None
+        if self.open:
+            self._render()
 
     def _render(self) -> None:
         with self._lock:
+            self._last_render = time.monotonic()
             paused = self.reg.paused()
             n = len(paused)
             self.title.value = (f"<b>Mesh debugger</b>: {n} rank{'s' if n != 1 else ''} paused"
@@ -178,16 +222,33 @@ class DebuggerWidget:
                 self.ranks.options = opts
                 self.ranks.value = keep
             ranks = sorted(self.texts)
+            if self.pane_for not in self.texts:
+                self.pane_for = ranks[0] if ranks else None
             live = {s.rank for s in paused}
-            opts = [(f"rank {r}" + ("" if r in live else " (running)"), r) for r in ranks]
+            opts = [(f"rank {r}" + ("" if r in live else " (running)"), r)
+                    for r in _pane_choices(ranks, self.ranks.value, self.pane_for)]
             if list(self.pane_rank.options) != opts:
-                keep = self.pane_rank.value if self.pane_rank.value in self.texts else None
                 self.pane_rank.options = opts
-                self.pane_rank.value = keep if keep is not None else (ranks[0] if ranks else None)
-            rank = self.pane_rank.value
+            if self.pane_rank.value != self.pane_for:
+                self.pane_rank.value = self.pane_for
+            rank = self.pane_for
             value = "" if rank is None else _pane_html(rank, self.texts.get(rank, ""))
             if self.pane.value != value:
                 self.pane.value = value
+
+
+def _pane_choices(ranks: list[int], chosen, shown: int | None) -> list[int]:
+    """The ranks given a pane button: all of them up to ``PANE_BUTTONS``; past that the one
+    shown, the ones chosen in the list, then the first ranks, in rank order."""
+    if len(ranks) <= PANE_BUTTONS:
+        return ranks
+    have = set(ranks)
+    picked = dict.fromkeys(r for r in [shown, *chosen] if r in have)
+    for r in ranks:
+        if len(picked) >= PANE_BUTTONS:
+            break
+        picked.setdefault(r)
+    return sorted(picked)
 
 
 def _pane_html(rank: int, text: str) -> str:
@@ -201,11 +262,12 @@ def _pane_html(rank: int, text: str) -> str:
 def _table_html(paused: list[PausedSession]) -> str:
     if not paused:
         return ""
+    body, note = table_rows(paused)
     head = "".join(f"<th style='text-align:left;padding:0 8px'>{h}</th>"
                    for h in ("rank", "in", "where", "function", "state"))
     rows = "".join(
         "<tr class='monarch-debugger-row'>" + "".join(
-            f"<td style='text-align:left;padding:0 8px'>{html.escape(str(v))}</td>"
-            for v in (s.rank, s.what or "?", s.where, s.function, s.state)) + "</tr>"
-        for s in paused)
-    return f"<table class='monarch-debugger-table'><tr>{head}</tr>{rows}</table>"
+            f"<td style='text-align:left;padding:0 8px'>{html.escape(v)}</td>" for v in row) + "</tr>"
+        for row in body)
+    note = f"<div class='monarch-debugger-note' style='color:#555'>{html.escape(note)}</div>" if note else ""
+    return f"<table class='monarch-debugger-table'><tr>{head}</tr>{rows}</table>{note}"

@@ -8,15 +8,9 @@ from __future__ import annotations
 import html
 
 from ..core.errors import MonarchError
-from ..core.mesh_tables import GAP, ranges, rank_rows
+from ..core.mesh_tables import GAP, rank_ranges, rank_rows
 from ..core.shape import Extent
 from ..core.values import ValueMesh, values_html
-
-
-def rank_ranges(ranks) -> str:
-    """[0, 1, 2, 3, 5] -> 'ranks 0-3,5'; [2] -> 'rank 2'."""
-    ranks = list(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ranges(ranks)
 
 
 class CellValues(ValueMesh):

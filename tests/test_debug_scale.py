@@ -1,0 +1,97 @@
+"""The debugger when every rank of a big mesh pauses at once (a ``breakpoint()`` left in a cell
+run on all ranks), through a real kernel and a real 64-proc mesh.
+
+Found at 256 ranks (round 22): the console wrote 960 lines (a line per rank for each pause,
+each rank's pdb header three times) and the first prompt came after 2-3 s, ranks pausing one
+by one; with the widget shown, every event redrew a table of every paused rank, 27 MB of
+widget state in 8 s, which a browser cannot keep up with.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import re
+import time
+
+import pytest
+from kernel_harness import kernel_with_mesh
+from test_debug import drive
+
+MESH = "kt-debug-scale"
+N = 64
+
+
+@pytest.fixture(scope="module")
+def k():
+    with kernel_with_mesh(MESH, f"--procs {N}", timeout=180) as h:
+        yield h
+
+
+def test_ranks_that_pause_alike_are_named_once_and_their_answers_grouped(k):
+    def answer(prompt, s):
+        if f"{N} ranks paused" not in s.text:   # wait for every rank (the console says so)
+            time.sleep(0.1)
+            return "ranks"
+        plan = ["p rank", f"cast 0:{N} p rank % 2", "continue all"]
+        return plan[sum(1 for line in s.text.splitlines() if line.split(") ", 1)[-1] in plan)]
+
+    s = drive(k, "%%on_mesh\nx = rank * 10\nbreakpoint()\nx += 1\nx", answer, timeout=120)
+    assert s.status == "ok", s.text
+    assert all(f"rank {r}: {r * 10 + 1}\n" in s.result for r in (0, 1, N - 1)), s.result
+    pauses = [line for line in s.text.splitlines() if " paused at " in line]
+    assert 1 <= len(pauses) <= 4, s.text   # was: one line per rank
+    assert all(line.startswith("debugger: rank") for line in pauses)
+    named = set()
+    for line in pauses:
+        spec = line.split(" paused at ")[0].split()[-1]
+        for part in spec.split(","):
+            a, _, b = part.partition("-")
+            named.update(range(int(a), int(b or a) + 1))
+    assert named == set(range(N)), pauses
+    # every other rank's pdb header, said alike, is shown once with its ranks
+    assert not re.search(r"^\[rank \d+\] -> x \+= 1$", s.text, re.M), s.text
+    assert re.search(r"^\[ranks [\d,-]+\] -> x \+= 1$", s.text, re.M), s.text
+    cast = s.text.split("p rank % 2\n", 1)[1].split("(rank ", 1)[0]
+    assert re.fullmatch(r"\[32 ranks \(0,2,4,[\d,]+,…\)\] 0\n\[32 ranks \(1,3,5,[\d,]+,…\)\] 1\n", cast), cast
+    assert len(s.text.splitlines()) < 60, s.text   # was: ~4 lines a rank
+
+
+def test_the_widget_is_redrawn_a_few_times_not_once_a_rank_and_merges_the_table(k):
+    k.ok("%mesh debug")
+    try:
+        mid = k.kc.execute("%%on_mesh\ny = rank\nbreakpoint()\ny", allow_stdin=True)
+        widget_bytes, tables, streams = 0, [], []
+        deadline = time.monotonic() + 60
+        interrupted = False
+        while True:
+            assert time.monotonic() < deadline, f"the cell did not end; tables: {tables[-1:]}"
+            try:
+                m = k.kc.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                m = None
+            if m is not None:
+                t, c = m["msg_type"], m["content"]
+                if t == "comm_msg":
+                    widget_bytes += len(json.dumps(c))
+                    value = c.get("data", {}).get("state", {}).get("value", "")
+                    if isinstance(value, str) and "monarch-debugger-table" in value:
+                        tables.append(value)
+                elif m["parent_header"].get("msg_id") == mid:
+                    if t == "stream":
+                        streams.append(c["text"])
+                    if t == "status" and c["execution_state"] == "idle":
+                        break
+            if not interrupted and tables and f">0-{N - 1}<" in tables[-1]:
+                all_paused = tables[-1]
+                time.sleep(1.0)   # what the widget sends while every rank sits paused
+                k.km.interrupt_kernel()   # the cell's interrupt leaves no rank paused
+                interrupted = True
+        assert interrupted, f"the table never showed ranks 0-{N - 1} on one row: {tables[-1:]}"
+        assert f"{N} ranks: neighbours that read alike share a row" in all_paused
+        assert widget_bytes < 1_000_000, widget_bytes   # was: ~3 MB at 64 ranks, 27 MB at 256
+        named = [line for line in "".join(streams).splitlines() if " paused at " in line]
+        assert 1 <= len(named) <= 4, named   # was: every paused rank again at each new pause
+    finally:
+        k.ok("%mesh debug console")
+    after = k.ok("%%on_mesh\ny").result
+    assert all(f"rank {r}: {r}\n" in after for r in (0, 1, N - 1)), after   # each kept its state

@@ -44,6 +44,9 @@ class CellValues(ValueMesh):
         return values_html(self._extent, self.ranks, self._values)
 
 
+SHOWN_GROUPS = 5   # errors of a cell shown in full; the rest one line per exception type
+
+
 class MeshCellError(MonarchError):
     """A cell (or push/pull) raised on some ranks. Identical errors are shown once with
     their ranks; ``results`` is the ValueMesh of every selected rank's outcome (values,
@@ -57,22 +60,52 @@ class MeshCellError(MonarchError):
         super().__init__(self._summary())
 
     def _summary(self) -> str:
-        out = "; ".join(f"{rank_ranges(r)}: {t}: {m}" if m else f"{rank_ranges(r)}: {t}"
-                        for r, t, m, _ in self.groups)
+        shown, rest = self._split()
+        out = "; ".join([f"{rank_ranges(r)}: {t}: {m}" if m else f"{rank_ranges(r)}: {t}"
+                         for r, t, m, _ in shown] + rest)
         return f"{out} ({self.note})" if self.note else out
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows these lines instead of the controller-side traceback."""
         red, reset = "\x1b[31m", "\x1b[0m"
         lines = []
-        for ranks, t, m, tb in self.groups:
+        shown, rest = self._split()
+        for ranks, t, m, tb in shown:
             lines.append(f"{red}{rank_ranges(ranks)}: {t}: {m}{reset}" if m else
                          f"{red}{rank_ranges(ranks)}: {t}{reset}")
             if tb:
                 lines.append(tb.rstrip("\n"))
+        lines += [f"{red}{line}{reset}" for line in rest]
         if self.note:
             lines.append(self.note)
         return lines
+
+    def _split(self) -> tuple[list, list[str]]:
+        """The groups shown in full (``SHOWN_GROUPS`` at most), and a line per exception type
+        for the rest: 256 ranks raising ``ValueError(f"bad value {x}")`` were 256 paragraphs
+        with their tracebacks; now 4 of them and 'ranks 4-255: ValueError: 252 other messages,
+        as rank 4's: ...'."""
+        if len(self.groups) <= SHOWN_GROUPS:
+            return self.groups, []
+        shown = self.groups[:SHOWN_GROUPS - 1]
+        by_type: dict[str, list] = {}
+        for ranks, t, m, _ in self.groups[SHOWN_GROUPS - 1:]:
+            g = by_type.setdefault(t, [[], 0, ranks[0], m])
+            g[0].extend(ranks)
+            g[1] += 1
+        rest = []
+        for t, (ranks, n, first, m) in by_type.items():
+            what = f"{n} other messages, as rank {first}'s: {m}" if n > 1 else m
+            rest.append(f"{rank_ranges(sorted(ranks), 48)}: {t}: {what} ({self._where(first)} "
+                        "holds it, with its traceback)")
+        return shown, rest
+
+    def _where(self, rank: int) -> str:
+        """Where rank ``rank``'s outcome is in ``_on_mesh`` (by position: a cell on
+        ``--ranks 100-199`` has rank 100's first)."""
+        ranks = list(getattr(self.results, "ranks", ()) or ())
+        pos = ranks.index(rank) if rank in ranks else rank
+        return f"`_on_mesh[{pos}]`" + (f", rank {rank}'s," if pos != rank else "")
 
 
 _NAMED: dict[tuple[str, type], type] = {}

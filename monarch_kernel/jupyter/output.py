@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import uuid
 
-from .rank_grid import grid_bundle, is_rich
+from ..core.mesh_tables import rank_ranges
+from .rank_grid import SHOWN_RANKS, KeptDisplays, grid_bundle, is_rich
 from .text_output import SKIPPED, OutputOptions, TextLimits, collate, label, merge, split_lines
 
 
@@ -47,6 +49,9 @@ def label_display(rank: int, data: dict, metadata: dict) -> tuple[dict, dict]:
     return data, md
 
 
+GRID_UPDATE_S = 0.25   # a live grid of ranks' figures is re-sent at most this often
+
+
 class CellCapture:
     """The output of one running cell: held (then grouped) or live.
 
@@ -54,7 +59,8 @@ class CellCapture:
     (``--group-outputs``), filtered (``--show-ranks``/``--quiet-ranks``) and bounded.
     Rich displays (figures, HTML) of several ranks become one grid output (rank_grid.py):
     held, it is written when the cell ends; live, it is written at the first one and
-    updated in place (a display id) as more arrive."""
+    updated in place (a display id) as more arrive, at most every ``GRID_UPDATE_S``. Those
+    of ``rank_grid.SHOWN_RANKS`` ranks are shown; every rank's are kept (``displays``)."""
 
     def __init__(self, router: OutputRouter, parent: dict | None, ranks, live: bool,
                  options: OutputOptions | None = None):
@@ -67,6 +73,10 @@ class CellCapture:
         self.held: list[tuple[int, tuple]] = []
         self.rich: list[tuple[int, dict]] = []   # live: what the grid shows so far
         self.grid_id: str | None = None
+        self.grid_sent = 0.0       # live: when the grid was last sent
+        self.grid_due = False      # live: the grid changed since
+        self.displays = KeptDisplays()   # every rank's rich displays, for `_on_mesh_displays`
+        self.unshown: set[int] = set()   # ranks whose rich displays are kept, not shown
         self.progress = None   # cell_progress.CellProgress, for cells on many ranks
         self.lock = threading.Lock()
 
@@ -78,10 +88,13 @@ class CellCapture:
             if item[0] == "stream":
                 self._add_text(rank, item[1], item[2])
                 return
+            rich = item[0] == "display" and is_rich(item[1])
+            if rich:
+                self.displays.keep(rank, item[1], item[2])
             if not self.live:
                 self.held.append((rank, item))
                 return
-            if item[0] == "display" and is_rich(item[1]):
+            if rich:
                 self._grow_grid(rank, item[1], self.parent)
                 return
         self.router.emit(rank, item, self.parent)
@@ -115,6 +128,8 @@ class CellCapture:
         with self.lock:
             if self.live and self.limits.window_due():
                 self._write(self.limits.take_window(), self.parent)
+            if self.grid_due and time.monotonic() - self.grid_sent >= GRID_UPDATE_S:
+                self._send_grid(self.parent)
         if self.progress is not None:
             self.progress.tick()
 
@@ -137,17 +152,21 @@ class CellCapture:
             held, self.held = self.held, []
             self.live = True
             groups = self.limits.take_window()
+            if self.grid_due:
+                self._send_grid(None)
         self._write(groups, None)
         if self.options.mode != "order":
             held.sort(key=lambda ri: ri[0])
         rich = [(r, it[1]) for r, it in held if it[0] == "display" and is_rich(it[1])]
         if len({r for r, _ in rich}) < 2:
             rich = []
+        shown = set(sorted({r for r, _ in rich})[:SHOWN_RANKS])
+        self.unshown.update(r for r, _ in rich if r not in shown)
         self._write_held([ri for ri in held if not (rich and ri[1][0] == "display" and is_rich(ri[1][1]))],
                          None, collated=self.options.mode == "order")
         if rich:
-            self.router.publish(*grid_bundle(rich), None)
-        notes = self.limits.closing_notes()
+            self.router.publish(*grid_bundle([(r, d) for r, d in rich if r in shown]), None)
+        notes = self.limits.closing_notes() + self._unshown_note()
         if notes:
             self.router.write_text("stderr", notes, None)
         if self.progress is not None:
@@ -201,13 +220,40 @@ class CellCapture:
             self.router.write_text("stderr", notice, parent)
 
     def _grow_grid(self, rank: int, data: dict, parent) -> None:
+        """Live: add a rank's display to the grid (that of the ``SHOWN_RANKS`` lowest ranks
+        that displayed so far, as when the cell ends within the hold) and send it, or have
+        ``poll`` send it once ``GRID_UPDATE_S`` has passed."""
+        shown = {r for r, _ in self.rich}
+        if rank not in shown and len(shown) >= SHOWN_RANKS:
+            top = max(shown)
+            if rank > top:
+                self.unshown.add(rank)
+                return
+            self.rich = [(r, d) for r, d in self.rich if r != top]   # a lower rank takes its place
+            self.unshown.add(top)
         self.rich.append((rank, data))
+        self.grid_due = True
+        if self.grid_id is None or time.monotonic() - self.grid_sent >= GRID_UPDATE_S:
+            self._send_grid(parent)
+
+    def _send_grid(self, parent) -> None:
         bundle, md = grid_bundle(self.rich)
+        self.grid_due, self.grid_sent = False, time.monotonic()
         if self.grid_id is None:
             self.grid_id = uuid.uuid4().hex
             self.router.publish(bundle, md, parent, self.grid_id)
         else:
             self.router.publish(bundle, md, parent, self.grid_id, update=True)
+
+    def _unshown_note(self) -> str:
+        if not self.unshown:
+            return ""
+        first = min(self.unshown)
+        lost = (f"; {self.displays.not_kept} displays past {self.displays.bytes // 1024**2} MB were not kept"
+                if self.displays.not_kept else "")
+        return (f"[monarch_kernel] figures and other displays of {rank_ranges(sorted(self.unshown), 48)} are not "
+                f"shown here (a cell shows {SHOWN_RANKS} ranks'); `display(*_on_mesh_displays[{first}])` shows "
+                f"rank {first}'s{lost}\n")
 
 
 class OutputRouter:
@@ -255,6 +301,8 @@ class OutputRouter:
         if self.active is cap:
             self.active = None
         cap.finish()
+        if cap.displays and self.shell is not None:
+            self.shell.user_ns["_on_mesh_displays"] = cap.displays
 
     def _current_parent(self) -> dict | None:
         kernel = getattr(self.shell, "kernel", None)

@@ -5,6 +5,11 @@ Figures and HTML from many ranks would otherwise stack down the page. Up to
 tabs, one per rank (pure HTML and CSS: a saved notebook shows them without the kernel;
 where a renderer drops the ``<style>``, every rank's panel shows, one under the other).
 Text output is not gathered here: it stays in the stream, labelled line by line.
+
+A cell shows the rich outputs of ``SHOWN_RANKS`` ranks at most (the first to display, in
+rank order when the cell ends within the hold): a figure on each of 256 ranks was a 6 MB
+output, re-sent whole as each figure arrived (hundreds of MB; the cell never finished in a
+browser). The others are kept for ``_on_mesh_displays`` (``KeptDisplays``) and a note says so.
 """
 from __future__ import annotations
 
@@ -12,7 +17,44 @@ import html
 import itertools
 
 GRID_MAX = 4
+SHOWN_RANKS = 16            # ranks whose figures a cell shows; the others are kept, not shown
+KEEP_BYTES = 64 * 1024**2   # what a cell keeps of its ranks' displays for `_on_mesh_displays`
 _ids = itertools.count(1)
+
+
+class RankDisplay:
+    """One display of one rank, kept: ``display(*_on_mesh_displays[100])`` shows rank 100's."""
+
+    __slots__ = ("rank", "data", "metadata")
+
+    def __init__(self, rank: int, data: dict, metadata: dict):
+        self.rank, self.data, self.metadata = rank, data, metadata
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        from .output import label_display
+
+        return label_display(self.rank, self.data, self.metadata)
+
+    def __repr__(self):
+        return f"[rank {self.rank}] {_plain(self.data)}"
+
+
+class KeptDisplays(dict):
+    """``rank -> [RankDisplay, ...]``: every rich display of a cell's ranks (up to
+    ``KEEP_BYTES``), shown or not; ``not_kept`` counts those past it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.not_kept = 0
+
+    def keep(self, rank: int, data: dict, metadata: dict) -> None:
+        size = sum(len(v) if isinstance(v, (str, bytes)) else 64 for v in data.values())
+        if self.bytes + size > KEEP_BYTES:
+            self.not_kept += 1
+            return
+        self.bytes += size
+        self.setdefault(rank, []).append(RankDisplay(rank, data, metadata))
 
 
 def is_rich(data: dict) -> bool:

@@ -1,10 +1,12 @@
-"""The debugger when every rank of a big mesh pauses at once (a ``breakpoint()`` left in a cell
-run on all ranks), through a real kernel and a real 64-proc mesh.
+"""What a user meets on a big mesh, through a real kernel and a real 64-proc mesh: the
+debugger when every rank pauses at once (a ``breakpoint()`` left in a cell run on all
+ranks), and a figure (any rich display) from every rank.
 
 Found at 256 ranks (round 22): the console wrote 960 lines (a line per rank for each pause,
 each rank's pdb header three times) and the first prompt came after 2-3 s, ranks pausing one
 by one; with the widget shown, every event redrew a table of every paused rank, 27 MB of
-widget state in 8 s, which a browser cannot keep up with.
+widget state in 8 s, which a browser cannot keep up with. A figure on each of 256 ranks made
+one 6 MB output re-sent whole as each figure arrived: the cell did not end within 120 s.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from kernel_harness import kernel_with_mesh
 from test_debug import drive
 
-MESH = "kt-debug-scale"
+MESH = "kt-many-ranks"
 N = 64
 
 
@@ -95,3 +97,40 @@ def test_the_widget_is_redrawn_a_few_times_not_once_a_rank_and_merges_the_table(
         k.ok("%mesh debug console")
     after = k.ok("%%on_mesh\ny").result
     assert all(f"rank {r}: {r}\n" in after for r in (0, 1, N - 1)), after   # each kept its state
+
+
+def _display_bytes(r) -> int:
+    return sum(len(json.dumps(m["content"])) for m in r.outputs
+               if m["msg_type"] in ("display_data", "update_display_data"))
+
+
+@pytest.mark.parametrize("stream", ["", "--stream "], ids=["held", "live"])
+def test_rich_displays_of_every_rank_show_16_ranks_and_keep_the_others(k, stream):
+    page = "x" * 20_000   # a figure's size
+    r = k.ok(f"%%on_mesh {stream}\nimport time\nfrom IPython.display import HTML, display\n"
+             f"time.sleep(0.01 * rank)\ndisplay(HTML('<p>{page}</p><b>from rank %d</b>' % rank))")
+    grids = [m["content"]["data"] for m in r.outputs
+             if m["msg_type"] in ("display_data", "update_display_data") and "text/html" in m["content"]["data"]]
+    last = grids[-1]["text/html"]
+    shown = sorted(int(x) for x in re.findall(r"<b>from rank (\d+)</b>", last))
+    assert shown == list(range(16)), shown   # was: all 64
+    assert f"figures and other displays of ranks 16-{N - 1} are not shown here" in r.stderr, r.stderr
+    assert "`display(*_on_mesh_displays[16])` shows rank 16's" in r.stderr
+    assert _display_bytes(r) < 4_000_000, _display_bytes(r)   # was: the grid re-sent whole per rank, 40 MB
+    kept = k.ok("from IPython.display import display\ndisplay(*_on_mesh_displays[40])")
+    assert "<b>from rank 40</b>" in kept.outputs[0]["content"]["data"]["text/html"]
+    assert k.value("sorted(_on_mesh_displays) == list(range(64))") is True
+
+
+def test_errors_that_differ_on_every_rank_show_a_few_in_full_and_the_rest_in_one_line(k):
+    r = k.run("%%on_mesh\nraise ValueError(f'bad value {rank * 7}')")
+    assert r.status == "error"
+    tb = "\n".join(r.error["traceback"])
+    assert tb.count("Traceback") <= 4, tb   # was: 64 paragraphs, each with its traceback
+    assert "rank 3: ValueError: bad value 21" in tb
+    assert (f"ranks 4-{N - 1}: ValueError: {N - 4} other messages, as rank 4's: bad value 28 "
+            "(`_on_mesh[4]` holds it, with its traceback)") in tb, tb
+    assert len(r.error["evalue"]) < 1000, r.error["evalue"]
+    assert "bad value 280" in k.ok("str(_on_mesh[40])").result   # every rank's error is kept
+    r = k.run(f"%%on_mesh --ranks 8-{N - 1}\nraise ValueError(f'bad value {{rank * 7}}')")
+    assert "(`_on_mesh[4]`, rank 12's, holds it" in "\n".join(r.error["traceback"])

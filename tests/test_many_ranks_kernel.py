@@ -134,3 +134,21 @@ def test_errors_that_differ_on_every_rank_show_a_few_in_full_and_the_rest_in_one
     assert "bad value 280" in k.ok("str(_on_mesh[40])").result   # every rank's error is kept
     r = k.run(f"%%on_mesh --ranks 8-{N - 1}\nraise ValueError(f'bad value {{rank * 7}}')")
     assert "(`_on_mesh[4]`, rank 12's, holds it" in "\n".join(r.error["traceback"])
+
+
+def test_an_endpoint_printing_on_every_rank_from_a_plain_cell_is_merged_under_that_cell(k):
+    k.ok("from monarch_kernel.actor import Actor, endpoint, current_rank\n"
+         "class Talker(Actor):\n"
+         "    @endpoint\n"
+         "    def talk(self):\n"
+         "        print('step 1 done')\n"
+         "        print('mine', current_rank().rank)\n"
+         "        return 1\n"
+         "talker = mesh.spawn('talker', Talker)")
+    k.ok("%%on_mesh\n1")   # was: the endpoints' lines went under this cell, not the next
+    r = k.ok("talker.talk.call().get()")
+    assert r.stdout.count("step 1 done") == 1, r.stdout   # was: 64 lines
+    assert f"[ranks 0-{N - 1}] step 1 done\n" in r.stdout
+    assert all(f"[rank {i}] mine {i}\n" in r.stdout for i in (0, 17, N - 1)), r.stdout
+    r = k.ok("import time\nf = talker.talk.call()\ntime.sleep(1.5)\nprint('after the sleep')")
+    assert r.stdout.index(f"[ranks 0-{N - 1}] step 1 done") < r.stdout.index("after the sleep"), r.stdout

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 
+from .. import config
 from ..core.mesh_tables import rank_ranges
 from .rank_grid import SHOWN_RANKS, KeptDisplays, grid_bundle, is_rich
 from .text_output import SKIPPED, OutputOptions, TextLimits, collate, label, merge, split_lines
@@ -256,18 +257,82 @@ class CellCapture:
                 f"rank {first}'s{lost}\n")
 
 
+class LooseOutput:
+    """What ranks print while no ``%%on_mesh`` cell of theirs runs (an actor's endpoint
+    called from a plain cell, a background task): identical lines from several ranks within
+    ``MONARCH_KERNEL_MERGE_WINDOW_S`` are shown once with their ranks, as a cell's are (an
+    endpoint printing on 256 ranks was 256 lines), under the cell running now. Written by a
+    timer after the window, and at once when the cell ends, a display comes, or the held
+    lines pass ``MAX_LINES``."""
+
+    MAX_LINES = 10_000
+
+    def __init__(self, router: OutputRouter):
+        self.router = router
+        self.lock = threading.Lock()
+        self.lines: list[tuple[int, str, str]] = []
+        self.parent: dict | None = None
+        self.timer: threading.Timer | None = None
+
+    def add(self, rank: int, stream: str, text: str, parent: dict | None) -> None:
+        with self.lock:
+            if self.lines and parent is not self.parent:
+                self._flush()   # the lines of an earlier cell stay under it
+            self.parent = parent
+            self.lines += [(rank, stream, t) for t in split_lines(text)]
+            if len(self.lines) >= self.MAX_LINES:
+                self._flush()
+            elif self.timer is None:
+                self.timer = threading.Timer(config.MERGE_WINDOW_S.get(), self.flush)
+                self.timer.daemon = True
+                self.timer.start()
+
+    def flush(self, *_) -> None:
+        with self.lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        lines, self.lines = self.lines, []
+        if not lines:
+            return
+        lines.sort(key=lambda ln: ln[0])   # rank order; stable, so each rank's order is kept
+        run_stream, run = None, []
+        for stream, text, ranks in merge(lines):
+            if stream != run_stream and run:
+                self.router.write_text(run_stream, "".join(run), self.parent)
+                run = []
+            run_stream = stream
+            run.append(label(ranks, text))
+        self.router.write_text(run_stream, "".join(run), self.parent)
+
+
 class OutputRouter:
     """Installed once per controller process by the magics (``install``)."""
 
     def __init__(self, shell=None):
         self.shell = shell
         self.active: CellCapture | None = None
-        self.last_parent: dict | None = None
+        self.cell_parent: dict | None = None   # the cell running now (pre_run_cell), for loose output
+        self.loose = LooseOutput(self)
         self._streams = {"stdout": sys.stdout, "stderr": sys.stderr}
 
     def install(self, rt) -> None:
         rt.output = self.on_output
         rt.on_message("display", self.on_display, replace=True)   # the kernel's current router
+        events = getattr(self.shell, "events", None)
+        if events is not None:
+            for event, fn in (("pre_run_cell", self._cell_started), ("post_run_cell", self.loose.flush)):
+                if fn not in events.callbacks[event]:
+                    events.register(event, fn)
+
+    def _cell_started(self, *_) -> None:
+        """On the kernel's main thread, where its parent header is known (a context variable
+        of ipykernel's: the I/O thread cannot read it)."""
+        self.loose.flush()
+        self.cell_parent = self._current_parent()
 
     # ---------------------------------------------------------------- I/O thread
     def on_output(self, rank: int, stream: str, text: str) -> None:
@@ -287,13 +352,16 @@ class OutputRouter:
         cap = self.active
         if cap is not None and rank in cap.ranks:
             cap.add(rank, item)
+        elif item[0] == "stream":
+            self.loose.add(rank, item[1], item[2], self.cell_parent)
         else:
-            self.emit(rank, item, self.last_parent)
+            self.loose.flush()   # the lines printed before the display come first
+            self.emit(rank, item, self.cell_parent)
 
     # ---------------------------------------------------------------- a cell
     def begin(self, ranks, live: bool = False, options: OutputOptions | None = None) -> CellCapture:
+        self.loose.flush()
         parent = self._current_parent()
-        self.last_parent = parent
         cap = self.active = CellCapture(self, parent, ranks, live, options)
         return cap
 

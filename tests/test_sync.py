@@ -299,3 +299,28 @@ def test_disk_full_receiver_on_a_small_tmpfs_leaves_no_half_file(tmp_path):
     finally:
         _stop(p)
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_sync_of_the_runtimes_own_source_leaves_it_running_and_says_a_new_mesh_runs_it(tmp_path,
+                                                                                          monkeypatch):
+    """Syncing a checkout of monarch-kernel (its package loaded by the procs from there, as an
+    editable install does) reloaded the proc loop in place mid-call: every proc died (round 22,
+    on 64 and 256 ranks: 'proc exited with code 1', NameError then a ContextVar token error)."""
+    import monarch_kernel
+
+    src = Path(monarch_kernel.__file__).parent
+    monkeypatch.chdir(tmp_path)
+    pm = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        probe = pm.spawn("probe", Probe)
+        loaded_here = probe.ev.call("__import__('monarch_kernel').__file__").get().values()
+        if not all(f.startswith(str(src)) for f in loaded_here):
+            pytest.skip(f"the procs load monarch_kernel from {loaded_here[0]}, not {src} (not an editable install)")
+        report = sync_workspace(pm, [str(src)])
+        for r in report.reload["procs"].values():
+            assert "monarch_kernel.node.proc" in r["runtime"] and not r["failed"], r
+            assert not any(n.startswith("monarch_kernel") for n in r["reloaded"]), r
+        assert "ranks 0-1: " in str(report) and "`%mesh stop` then `%mesh connect`" in str(report), str(report)
+        assert probe.ev.call("1 + 1").get().values() == [2, 2]   # every proc lives, its actors too
+    finally:
+        pm.stop()

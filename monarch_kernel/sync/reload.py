@@ -12,7 +12,9 @@ code too. A function whose closure changed shape cannot be patched: old referenc
 old code (new lookups get the new). Endpoints added by the new code are not callable
 through ActorMesh handles made before (their endpoint list is fixed at spawn): spawn again.
 Compiled extensions (.so) cannot be reloaded; they are reported as needing a restart.
-Standard-library modules are never reloaded.
+Standard-library modules are never reloaded, nor the runtime's own (``monarch_kernel``,
+``workers``): the proc is running them (a sync of a checkout of monarch-kernel reloaded its
+proc loop mid-call and the procs died); they are reported as needing a new mesh.
 """
 from __future__ import annotations
 
@@ -25,6 +27,18 @@ import types
 from monarch_kernel.core.actors import Actor, endpoint
 
 ACTOR_NAME = "monarch_sync"
+RUNTIME = ("monarch_kernel", "workers")   # top-level packages a sync never reloads in a proc
+
+
+def _runtime_dirs() -> tuple[str, ...]:
+    """The folders the runtime's own modules load from (``__main__`` of a proc is one)."""
+    dirs = []
+    for top in RUNTIME:
+        mod = sys.modules.get(top)
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str):
+            dirs.append(os.path.dirname(os.path.realpath(f)) + os.sep)
+    return tuple(dirs)
 
 
 def setup_proc(setup: dict | None) -> None:
@@ -117,9 +131,10 @@ def reload_changed(changes: list[dict]) -> dict:
         names.update(rel.rsplit("/", 1)[-1] for rel in modified | deleted)
         for base in {ch["dest"], ch.get("src")} - {None}:
             bases.append((os.path.realpath(base) + os.sep, modified, deleted))
-    reloaded, failed, restart, left = [], {}, [], []
+    reloaded, failed, restart, left, runtime = [], {}, [], [], []
     if not names:
-        return {"reloaded": reloaded, "failed": failed, "needs_restart": restart, "deleted_loaded": left}
+        return {"reloaded": reloaded, "failed": failed, "needs_restart": restart, "deleted_loaded": left,
+                "runtime": runtime}
     stdlib = sys.stdlib_module_names
     todo = []
     for name, mod in list(sys.modules.items()):
@@ -135,6 +150,8 @@ def reload_changed(changes: list[dict]) -> dict:
             rel = real[len(prefix):].replace(os.sep, "/")
             if rel in deleted:
                 left.append(name)
+            elif rel in modified and (name.partition(".")[0] in RUNTIME or real.startswith(_runtime_dirs())):
+                runtime.append(name)   # (its __main__ too: the zygote's module, which forked the proc)
             elif rel in modified and f.endswith(".py"):
                 todo.append((name, mod))
             elif rel in modified:
@@ -150,7 +167,8 @@ def reload_changed(changes: list[dict]) -> dict:
             if isinstance(e, KeyboardInterrupt):
                 raise
             failed[name] = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return {"reloaded": reloaded, "failed": failed, "needs_restart": restart, "deleted_loaded": left}
+    return {"reloaded": reloaded, "failed": failed, "needs_restart": restart, "deleted_loaded": left,
+            "runtime": runtime}
 
 
 class SyncActor(Actor):

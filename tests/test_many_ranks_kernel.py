@@ -152,3 +152,10 @@ def test_an_endpoint_printing_on_every_rank_from_a_plain_cell_is_merged_under_th
     assert all(f"[rank {i}] mine {i}\n" in r.stdout for i in (0, 17, N - 1)), r.stdout
     r = k.ok("import time\nf = talker.talk.call()\ntime.sleep(1.5)\nprint('after the sleep')")
     assert r.stdout.index(f"[ranks 0-{N - 1}] step 1 done") < r.stdout.index("after the sleep"), r.stdout
+
+
+def test_mesh_status_of_64_procs_is_a_few_rows(k):
+    text = k.ok("%mesh status").result
+    assert len(text.splitlines()) < 10, text   # was: a line per proc
+    assert re.search(rf"^0-{N - 1} +vm +\d+…\d+ +alive", text, re.M), text
+    assert f"{N} ranks: neighbours that read alike share a row" in text

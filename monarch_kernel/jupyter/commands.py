@@ -13,6 +13,7 @@ from IPython.core.error import UsageError
 from ..core import silent_procs
 from ..core.connection import agents_gone, list_meshes
 from ..core.mesh import ProcMesh, state_of, view_of
+from ..core.mesh_tables import rank_rows
 from .display import Table, rank_ranges
 from .magics import mesh_command, mesh_parser
 from .on_mesh import select
@@ -233,8 +234,11 @@ def _status_table(ctx, procs) -> Table:
         if show_buffers:
             row.append(_buffers(st.get("buffers")))
         rows.append(row)
+    rows, merged = _merged_rows(rows)
     dims = ", ".join(f"{k}={v}" for k, v in procs.sizes.items())
     notes = [f"{rank_ranges(sorted(dead))} dead: `mesh.respawn()` replaces them"] if dead else []
+    if merged:
+        notes.append(merged)
     if unreachable:
         notes.append(f"{rank_ranges(unreachable)} unreachable: {silent_procs.UNREACHABLE}")
     notes += [f"{rank_ranges(ranks)} did not answer: {why}" for why, ranks in silent.items()]
@@ -245,6 +249,22 @@ def _status_table(ctx, procs) -> Table:
 
         title += f"; {describe_job(ctx.session.job, ctx.session.job_mesh)}"
     return Table(title, head, rows, note)
+
+
+def _merged_rows(rows: list[list]) -> tuple[list[list], str]:
+    """Past ``mesh_tables.BIG_TABLE`` procs, neighbours that read alike share a row (their
+    pids as first…last) and the table shows its first and last rows, as a cell's values do:
+    ``%mesh status`` of 256 procs was 258 lines."""
+    ranks = [r[0] for r in rows]
+    # cpu % and rss (columns 5, 6) do not keep neighbours apart: a shared row shows their range
+    figures = [r[5:7] for r in rows]
+    if all(str(c).isdigit() for f in figures for c in f):
+        figures = [[int(c) for c in f] for f in figures]
+    cells = [(r[1], r[3], r[4], *r[7:]) for r in rows]   # host, state, doing, actors (, buffers)
+    merged, note = rank_rows(ranks, [{"cpu": f[0], "rss": f[1]} for f in figures], cells,
+                             spans=[r[2] for r in rows], unit=("a row", "rows"))
+    # merged: rank, cpu, rss, pid, host, state, doing, ...
+    return [[m[0], m[4], m[3], m[5], m[6], m[1], m[2], *m[7:]] for m in merged], note
 
 
 def _buffers(b) -> str:

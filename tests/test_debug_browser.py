@@ -15,7 +15,17 @@ import os
 from pathlib import Path
 
 import pytest
-from lab_harness import READY, browser, jupyter_lab, needs_chromium, wait_for_text, write_notebook
+from lab_harness import (
+    READY,
+    RUN_ALL,
+    browser,
+    jupyter_lab,
+    needs_chromium,
+    notebook_page,
+    screenshots_dir,
+    wait_for_text,
+    write_notebook,
+)
 
 MESH = "kt-debug-browser"
 CELLS = [
@@ -86,32 +96,20 @@ def test_widget_with_every_rank_of_64_paused_stays_small_and_continue_all_ends_t
     """A breakpoint() left in a cell on every rank: the table is one row (0-63), the pane has a
     dozen rank buttons, not 64, and "continue all" lets the cell finish (round 22: each pause
     redrew a row per rank, 27 MB of widget state at 256 ranks)."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install "
-                                                                 "playwright; it uses the system Chromium)")
-    shots = Path(os.environ.get("MONARCH_KERNEL_SCREENSHOTS", tmp_path))
+    shots = screenshots_dir()
     shots.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "root").mkdir()
-    write_notebook(tmp_path / "root" / "debug-big.ipynb", BIG_CELLS)
-    with jupyter_lab(tmp_path, "debug-big.ipynb") as (url, _home), sync_api.sync_playwright() as p:
-        ctx = browser(p, tmp_path)
-        try:
-            page = ctx.pages[0] if ctx.pages else ctx.new_page()
-            page.goto(url)
-            page.wait_for_function(READY, timeout=90_000, polling=250)
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    with notebook_page(tmp_path, "debug-big.ipynb", BIG_CELLS) as page:
+        page.evaluate(RUN_ALL)
+        row = page.locator(".monarch-debugger-row", has_text=f"0-{BIG - 1}")
+        row.first.wait_for(timeout=120_000)
+        assert page.locator(".monarch-debugger-row").count() == 1
+        assert f"{BIG} ranks paused" in page.locator(".monarch-debugger").inner_text()
+        buttons = page.locator(".monarch-debugger .widget-toggle-buttons button")
+        assert 1 <= buttons.count() <= 12, buttons.count()
+        page.screenshot(path=str(shots / "debug-big-1-paused.png"), full_page=True)
 
-            row = page.locator(".monarch-debugger-row", has_text=f"0-{BIG - 1}")
-            row.first.wait_for(timeout=120_000)
-            assert page.locator(".monarch-debugger-row").count() == 1
-            assert f"{BIG} ranks paused" in page.locator(".monarch-debugger").inner_text()
-            buttons = page.locator(".monarch-debugger .widget-toggle-buttons button")
-            assert 1 <= buttons.count() <= 12, buttons.count()
-            page.screenshot(path=str(shots / "debug-big-1-paused.png"), full_page=True)
-
-            page.get_by_role("button", name="continue all", exact=True).click()
-            page.locator(".jp-OutputArea-output table", has_text=str(2 * (BIG - 1) + 1)).first.wait_for(
-                timeout=60_000)   # every rank ran on: rank 63's y
-            page.get_by_text(f"mesh '{MESH}-big' stopped").first.wait_for(timeout=60_000)
-            page.screenshot(path=str(shots / "debug-big-2-finished.png"), full_page=True)
-        finally:
-            ctx.close()
+        page.get_by_role("button", name="continue all", exact=True).click()
+        page.locator(".jp-OutputArea-output table", has_text=str(2 * (BIG - 1) + 1)).first.wait_for(
+            timeout=60_000)   # every rank ran on: rank 63's y
+        page.get_by_text(f"mesh '{MESH}-big' stopped").first.wait_for(timeout=60_000)
+        page.screenshot(path=str(shots / "debug-big-2-finished.png"), full_page=True)

@@ -159,3 +159,22 @@ def test_mesh_status_of_64_procs_is_a_few_rows(k):
     assert len(text.splitlines()) < 10, text   # was: a line per proc
     assert re.search(rf"^0-{N - 1} +vm +\d+…\d+ +alive", text, re.M), text
     assert f"{N} ranks: neighbours that read alike share a row" in text
+
+
+def test_a_flood_from_endpoints_called_from_a_plain_cell_keeps_a_cells_limits(k):
+    k.ok("from monarch_kernel.actor import Actor, endpoint, current_rank\n"
+         "class Flooder(Actor):\n"
+         "    @endpoint\n"
+         "    def flood(self, n):\n"
+         "        r = current_rank().rank\n"
+         "        for i in range(n):\n"
+         "            print(f'rank {r} line {i}')\n"
+         "        return n\n"
+         "flooder = mesh.spawn('flooder', Flooder)")
+    r = k.ok("flooder.flood.call(300).get()", timeout=120)
+    shown = r.stdout.count(" line ")
+    assert shown <= 2_000, shown   # was: all 19,200 (64 ranks x 300 distinct lines)
+    assert re.search(r"[\d,]+ lines from ranks [\d,-]+ not shown here \(output limits", r.stderr), r.stderr
+    assert "`%mesh logs" in r.stderr
+    r = k.ok("flooder.flood.call(1).get()")   # the next cell starts with a fresh budget
+    assert f"[rank {N - 1}] rank {N - 1} line 0" in r.stdout, r.stdout

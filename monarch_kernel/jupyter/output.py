@@ -263,7 +263,9 @@ class LooseOutput:
     ``MONARCH_KERNEL_MERGE_WINDOW_S`` are shown once with their ranks, as a cell's are (an
     endpoint printing on 256 ranks was 256 lines), under the cell running now. Written by a
     timer after the window, and at once when the cell ends, a display comes, or the held
-    lines pass ``MAX_LINES``."""
+    lines pass ``MAX_LINES``. Each cell's loose output has a cell's limits (lines a second
+    and a cell in the notebook, ``text_output.TextLimits``); what they keep back and what the
+    procs kept back is counted and said when the cell ends, as a cell's is."""
 
     MAX_LINES = 10_000
 
@@ -273,6 +275,25 @@ class LooseOutput:
         self.lines: list[tuple[int, str, str]] = []
         self.parent: dict | None = None
         self.timer: threading.Timer | None = None
+        self.limits = TextLimits(OutputOptions())
+
+    def new_cell(self) -> None:
+        """A cell starts: what the last one held is written, and its limits start afresh."""
+        self.end_cell()
+        with self.lock:
+            self.limits = TextLimits(OutputOptions())
+
+    def end_cell(self, *_) -> None:
+        with self.lock:
+            self._flush()
+            notes = self.limits.closing_notes()
+            self.limits.dropped.clear()
+        if notes:
+            self.router.write_text("stderr", notes, self.parent)
+
+    def kept_back(self, rank: int, n: int) -> None:
+        with self.lock:
+            self.limits.dropped[rank] += n
 
     def add(self, rank: int, stream: str, text: str, parent: dict | None) -> None:
         with self.lock:
@@ -300,13 +321,17 @@ class LooseOutput:
             return
         lines.sort(key=lambda ln: ln[0])   # rank order; stable, so each rank's order is kept
         run_stream, run = None, []
-        for stream, text, ranks in merge(lines):
+        for stream, text, ranks in self.limits.writable(merge(lines)):
             if stream != run_stream and run:
                 self.router.write_text(run_stream, "".join(run), self.parent)
                 run = []
             run_stream = stream
             run.append(label(ranks, text))
-        self.router.write_text(run_stream, "".join(run), self.parent)
+        if run:
+            self.router.write_text(run_stream, "".join(run), self.parent)
+        notice = self.limits.first_limit_notice()
+        if notice:
+            self.router.write_text("stderr", notice, self.parent)
 
 
 class OutputRouter:
@@ -324,24 +349,26 @@ class OutputRouter:
         rt.on_message("display", self.on_display, replace=True)   # the kernel's current router
         events = getattr(self.shell, "events", None)
         if events is not None:
-            for event, fn in (("pre_run_cell", self._cell_started), ("post_run_cell", self.loose.flush)):
+            for event, fn in (("pre_run_cell", self._cell_started), ("post_run_cell", self.loose.end_cell)):
                 if fn not in events.callbacks[event]:
                     events.register(event, fn)
 
     def _cell_started(self, *_) -> None:
         """On the kernel's main thread, where its parent header is known (a context variable
         of ipykernel's: the I/O thread cannot read it)."""
-        self.loose.flush()
+        self.loose.new_cell()
         self.cell_parent = self._current_parent()
 
     # ---------------------------------------------------------------- I/O thread
     def on_output(self, rank: int, stream: str, text: str) -> None:
         if stream == SKIPPED:   # lines the proc kept back (its rate limit): counted, in its log
             cap = self.active
+            n = int(text.split(" ", 1)[0])
             if cap is not None and rank in cap.ranks:
-                cap.kept_back(rank, int(text.split(" ", 1)[0]))
-                return
-            stream = "stderr"
+                cap.kept_back(rank, n)
+            else:
+                self.loose.kept_back(rank, n)
+            return
         self._route(rank, ("stream", stream, text))
 
     def on_display(self, msg) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 BIG_TABLE = 32               # ranks before neighbours that read alike share a row
 HEAD_ROWS, TAIL_ROWS = 24, 8  # rows shown of a longer table: its first and its last
 GAP = "…"
+RANKS_CHARS = 48             # a set of ranks in a line of text past this is cut: '95 ranks (1-3,6,…)'
 
 
 def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: list | None = None,

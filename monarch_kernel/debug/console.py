@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from ..core.mesh_tables import ranges, rank_ranges
+from ..core.mesh_tables import RANKS_CHARS, ranges, rank_ranges
 from .registry import DebugError, DebugRegistry, PausedSession, table_rows
 
 HELP = ("debugger: pdb commands go to the rank in front; `rank N` switches, `ranks` lists, "
@@ -42,7 +42,6 @@ HELP = ("debugger: pdb commands go to the rank in front; `rank N` switches, `ran
 SETTLE_S = 0.1             # the console speaks once no rank has paused for this long ...
 SETTLE_PER_RANK_S = 0.002  # ... longer while ranks of the cell are still on their way ...
 SETTLE_MAX_S = 1.0         # ... or after this, however many still pause
-RANKS_CHARS = 48           # a longer set of ranks is cut: '95 ranks (1-3,6,11,…)'
 
 
 class NoStdin(Exception):
@@ -207,8 +206,7 @@ class Console:
         if not new:
             return
         announced.update(s.key for s in new)
-        for ranks, place in alike((s.rank, s.place) for s in new):
-            self.write(f"debugger: {rank_ranges(ranks, RANKS_CHARS)} paused at {place}\n")
+        self.write("".join(f"{line}\n" for line in paused_lines(new)))
         if first:
             self.write(HELP + "\n")
         if len(sessions) > 1:
@@ -274,6 +272,13 @@ def table(sessions: list[PausedSession]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
     return f"{text}\n({note})" if note else text
+
+
+def paused_lines(sessions: list[PausedSession], then: Callable[[list[int]], str] = lambda ranks: "") -> list[str]:
+    """'debugger: ranks 0-255 paused at <In [2] on mesh>:3 in <module>() (cell)', a line for
+    each place where ``sessions`` paused, ``then(ranks)`` after it."""
+    return [f"debugger: {rank_ranges(ranks, RANKS_CHARS)} paused at {place}{then(ranks)}"
+            for ranks, place in alike((s.rank, s.place) for s in sessions)]
 
 
 def alike(said: Iterable[tuple[int, str]]) -> list[tuple[list[int], str]]:

@@ -26,7 +26,7 @@ from monarch_kernel.jupyter import on_mesh
 from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
 
 from ..core.mesh_tables import rank_ranges
-from .console import RANKS_CHARS, alike, console, table
+from .console import console, paused_lines, table
 from .registry import DebugError, registry
 
 ACTIONS = ("list", "attach", "cast", "continue", "dap", "console")
@@ -169,9 +169,8 @@ def _name_new_pauses(reg, run) -> None:
     _said.update(s.key for s in new)
     if run.capture is not None:
         run.capture.go_live()
-    for ranks, place in alike((s.rank, s.place) for s in new):
-        print(f"debugger: {rank_ranges(ranks, RANKS_CHARS)} paused at {place}; the debugger widget drives "
-              f"{'it' if len(ranks) == 1 else 'them'}")
+    for line in paused_lines(new, lambda ranks: f"; the debugger widget drives {'it' if len(ranks) == 1 else 'them'}"):
+        print(line)
 
 
 def on_mesh_done(run) -> None:

@@ -23,7 +23,7 @@ import time
 import uuid
 
 from .. import config
-from ..core.mesh_tables import rank_ranges
+from ..core.mesh_tables import RANKS_CHARS, rank_ranges
 from .rank_grid import SHOWN_RANKS, KeptDisplays, grid_bundle, is_rich
 from .text_output import SKIPPED, OutputOptions, TextLimits, collate, label, merge, split_lines
 
@@ -51,6 +51,24 @@ def label_display(rank: int, data: dict, metadata: dict) -> tuple[dict, dict]:
 
 
 GRID_UPDATE_S = 0.25   # a live grid of ranks' figures is re-sent at most this often
+
+
+def write_labelled(router: OutputRouter, limits: TextLimits, groups: list[tuple[str, str, list[int]]],
+                   parent) -> None:
+    """Labelled lines, one write per run of the same stream; then, once, the notice that
+    ``limits`` started keeping lines back."""
+    run_stream, run = None, []
+    for stream, text, ranks in groups:
+        if stream != run_stream and run:
+            router.write_text(run_stream, "".join(run), parent)
+            run = []
+        run_stream = stream
+        run.append(label(ranks, text))
+    if run:
+        router.write_text(run_stream, "".join(run), parent)
+    notice = limits.first_limit_notice()
+    if notice:
+        router.write_text("stderr", notice, parent)
 
 
 class CellCapture:
@@ -206,19 +224,7 @@ class CellCapture:
         self._write(self.limits.writable(pending), parent)
 
     def _write(self, groups: list[tuple[str, str, list[int]]], parent) -> None:
-        """Labelled lines, one write per run of the same stream."""
-        run_stream, run = None, []
-        for stream, text, ranks in groups:
-            if stream != run_stream and run:
-                self.router.write_text(run_stream, "".join(run), parent)
-                run = []
-            run_stream = stream
-            run.append(label(ranks, text))
-        if run:
-            self.router.write_text(run_stream, "".join(run), parent)
-        notice = self.limits.first_limit_notice()
-        if notice:
-            self.router.write_text("stderr", notice, parent)
+        write_labelled(self.router, self.limits, groups, parent)
 
     def _grow_grid(self, rank: int, data: dict, parent) -> None:
         """Live: add a rank's display to the grid (that of the ``SHOWN_RANKS`` lowest ranks
@@ -252,7 +258,8 @@ class CellCapture:
         first = min(self.unshown)
         lost = (f"; {self.displays.not_kept} displays past {self.displays.bytes // 1024**2} MB were not kept"
                 if self.displays.not_kept else "")
-        return (f"[monarch_kernel] figures and other displays of {rank_ranges(sorted(self.unshown), 48)} are not "
+        who = rank_ranges(sorted(self.unshown), RANKS_CHARS)
+        return (f"[monarch_kernel] figures and other displays of {who} are not "
                 f"shown here (a cell shows {SHOWN_RANKS} ranks'); `display(*_on_mesh_displays[{first}])` shows "
                 f"rank {first}'s{lost}\n")
 
@@ -277,17 +284,13 @@ class LooseOutput:
         self.timer: threading.Timer | None = None
         self.limits = TextLimits(OutputOptions())
 
-    def new_cell(self) -> None:
-        """A cell starts: what the last one held is written, and its limits start afresh."""
-        self.end_cell()
-        with self.lock:
-            self.limits = TextLimits(OutputOptions())
-
     def end_cell(self, *_) -> None:
+        """A cell ends (or the next starts): what is held is written, then what was not
+        shown; the limits start afresh."""
         with self.lock:
             self._flush()
             notes = self.limits.closing_notes()
-            self.limits.dropped.clear()
+            self.limits = TextLimits(OutputOptions())
         if notes:
             self.router.write_text("stderr", notes, self.parent)
 
@@ -320,18 +323,7 @@ class LooseOutput:
         if not lines:
             return
         lines.sort(key=lambda ln: ln[0])   # rank order; stable, so each rank's order is kept
-        run_stream, run = None, []
-        for stream, text, ranks in self.limits.writable(merge(lines)):
-            if stream != run_stream and run:
-                self.router.write_text(run_stream, "".join(run), self.parent)
-                run = []
-            run_stream = stream
-            run.append(label(ranks, text))
-        if run:
-            self.router.write_text(run_stream, "".join(run), self.parent)
-        notice = self.limits.first_limit_notice()
-        if notice:
-            self.router.write_text("stderr", notice, self.parent)
+        write_labelled(self.router, self.limits, self.limits.writable(merge(lines)), self.parent)
 
 
 class OutputRouter:
@@ -356,7 +348,7 @@ class OutputRouter:
     def _cell_started(self, *_) -> None:
         """On the kernel's main thread, where its parent header is known (a context variable
         of ipykernel's: the I/O thread cannot read it)."""
-        self.loose.new_cell()
+        self.loose.end_cell()
         self.cell_parent = self._current_parent()
 
     # ---------------------------------------------------------------- I/O thread

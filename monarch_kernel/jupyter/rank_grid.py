@@ -6,8 +6,8 @@ tabs, one per rank (pure HTML and CSS: a saved notebook shows them without the k
 where a renderer drops the ``<style>``, every rank's panel shows, one under the other).
 Text output is not gathered here: it stays in the stream, labelled line by line.
 
-A cell shows the rich outputs of ``SHOWN_RANKS`` ranks at most (the first to display, in
-rank order when the cell ends within the hold): a figure on each of 256 ranks was a 6 MB
+A cell shows the rich outputs of ``SHOWN_RANKS`` ranks at most (the lowest ranks that
+displayed, live or held): a figure on each of 256 ranks was a 6 MB
 output, re-sent whole as each figure arrived (hundreds of MB; the cell never finished in a
 browser). The others are kept for ``_on_mesh_displays`` (``KeptDisplays``) and a note says so.
 """

@@ -51,6 +51,15 @@ def rank_rows(ranks: list[int], coords: list[dict], cells: list[tuple], spans: l
     return rows, "; ".join(notes)
 
 
+def alike(said) -> list[tuple[list[int], str]]:
+    """``(rank, text)`` pairs -> ``(ranks, text)``, one per distinct text, in the order of
+    each text's first rank: what ranks say alike, said once."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in said:
+        groups.setdefault(text, []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]
+
+
 def rank_ranges(ranks, limit: int | None = None) -> str:
     """[0, 1, 2, 3, 5] -> 'ranks 0-3,5'; [2] -> 'rank 2'. ``limit``: past that many
     characters of ranges, '95 ranks (1-3,6,11,…)' (ranks scattered over a big mesh)."""

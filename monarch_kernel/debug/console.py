@@ -30,9 +30,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from ..core.mesh_tables import RANKS_CHARS, ranges, rank_ranges
+from ..core.mesh_tables import RANKS_CHARS, alike, ranges, rank_ranges
 from .registry import DebugError, DebugRegistry, PausedSession, table_rows
 
 HELP = ("debugger: pdb commands go to the rank in front; `rank N` switches, `ranks` lists, "
@@ -281,13 +281,6 @@ def paused_lines(sessions: list[PausedSession], then: Callable[[list[int]], str]
             for ranks, place in alike((s.rank, s.place) for s in sessions)]
 
 
-def alike(said: Iterable[tuple[int, str]]) -> list[tuple[list[int], str]]:
-    """``(rank, text)`` pairs -> ``(ranks, text)``, one per distinct text, in the order of
-    each text's first rank."""
-    groups: dict[str, list[int]] = {}
-    for rank, text in said:
-        groups.setdefault(text, []).append(rank)
-    return [(ranks, text) for text, ranks in groups.items()]
 
 
 def _sigint_raises():

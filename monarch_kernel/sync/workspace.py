@@ -20,7 +20,7 @@ from typing import Callable
 from monarch_kernel import config
 from monarch_kernel.core.errors import MeshGoneError, MonarchError
 from monarch_kernel.core.mesh import state_of, view_of
-from monarch_kernel.core.mesh_tables import rank_ranges
+from monarch_kernel.core.mesh_tables import RANKS_CHARS, alike, rank_ranges
 
 from .manifest import Problem, build_manifest, human
 from .reload import ACTOR_NAME, SyncActor
@@ -125,21 +125,21 @@ def _reload_lines(mesh: str, by_rank: dict) -> list[str]:
     out = []
     if names:
         out.append(f"  procs '{mesh}': reloaded {', '.join(names)} on {len(by_rank)} rank(s)")
-    said: dict[str, list[int]] = {}   # what ranks say alike is one line (256 ranks, one failure)
+    said: list[tuple[int, str]] = []   # what ranks say alike is one line (256 ranks, one failure)
     for rank, r in sorted(by_rank.items()):
         if not isinstance(r, dict):
-            said.setdefault(str(r), []).append(rank)
+            said.append((rank, str(r)))
             continue
         for m, err in r.get("failed", {}).items():
-            said.setdefault(f"reloading {m} failed ({err}); it keeps the old code", []).append(rank)
+            said.append((rank, f"reloading {m} failed ({err}); it keeps the old code"))
         for m in r.get("needs_restart", ()):
-            said.setdefault(f"{m} is compiled; restart the procs to use the new one", []).append(rank)
+            said.append((rank, f"{m} is compiled; restart the procs to use the new one"))
         runtime = [n for n in r.get("runtime") or () if not n.startswith("__")]   # not __main__ (the zygote)
         if runtime:
-            said.setdefault(f"{len(runtime)} of the runtime's own modules changed ({', '.join(sorted(runtime)[:3])}"
-                            f"{', ...' if len(runtime) > 3 else ''}): a proc runs them, so they are not reloaded in "
-                            "place; `%mesh stop` then `%mesh connect` starts procs with the new code", []).append(rank)
-    out += [f"  procs '{mesh}' {rank_ranges(ranks, 48)}: {text}" for text, ranks in said.items()]
+            said.append((rank, f"{len(runtime)} of the runtime's own modules changed ({', '.join(sorted(runtime)[:3])}"
+                               f"{', ...' if len(runtime) > 3 else ''}): a proc runs them, so they are not reloaded "
+                               "in place; `%mesh stop` then `%mesh connect` starts procs with the new code"))
+    out += [f"  procs '{mesh}' {rank_ranges(ranks, RANKS_CHARS)}: {text}" for ranks, text in alike(said)]
     return out
 
 

@@ -202,16 +202,32 @@ def test_a_mesh_of_40_ranks_shows_a_row_a_host_its_dead_rank_apart_and_every_ran
         assert mesh.locator(".mk-proc").count() == 1
         page.screenshot(path=str(shots / "mesh-big-3-dead-rank.png"))
 
-        # a host lost (its agent killed): the other host's ranks stay listed, the mesh says
-        # "1 host gone", and its stop still ends the rest (it read "not running", stop disabled)
+        def status_says(*words: str) -> None:
+            page.wait_for_function(f"""() => {{
+                const s = document.querySelector(".mk-mesh[data-mesh='{big}'] .mk-status");
+                return s && {json.dumps(list(words))}.every(w => s.textContent.includes(w)); }}""", timeout=20_000)
+
+        # a host whose agent does not answer (stopped; on a cluster, cut off): its ranks stay
+        # listed, unreachable, amber (they vanished, and nothing said so), its dead rank dead
         with open(os.path.join(page.home, "meshes", f"{big}.json")) as f:
-            os.kill(json.load(f)["agents"][1]["pid"], signal.SIGKILL)
-        page.wait_for_function(f"""() => {{
-            const s = document.querySelector(".mk-mesh[data-mesh='{big}'] .mk-status");
-            return s && s.textContent.includes('20 procs on') && s.textContent.includes('· 1 host gone'); }}""",
-                               timeout=15_000)
+            agent = json.load(f)["agents"][1]["pid"]
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            status_says("40 procs on 2 hosts", "· 1 host not answering (ranks 20-24,26-39)", "· 1 dead")
+            assert re.search(r"20-39 · 19 unreachable · 1 dead", hosts.nth(1).text_content())
+            # (its host row says it: 32 rows a lost host at 256 ranks would be a page of their own)
+            assert [r.get_attribute("data-rank") for r in mesh.locator(".mk-look .mk-proc").all()] == ["25"]
+            page.screenshot(path=str(shots / "mesh-big-4-host-not-answering.png"))
+        finally:
+            # a host lost (its agent killed): the other host's ranks stay listed, the mesh says
+            # "1 host gone" with the ranks it had, and its stop still ends the rest (it read
+            # "not running", stop disabled)
+            os.kill(agent, signal.SIGKILL)
+        status_says("20 procs on", "· 1 host gone (ranks 20-39)")
+        assert "host gone" in hosts.nth(1).text_content() and "mk-dead" in hosts.nth(1).get_attribute("class")
         assert mesh.get_by_role("button", name="stop").is_enabled()
+        assert not mesh.get_by_role("button", name="respawn dead").is_enabled()   # (its host is gone)
         assert "mk-has-dead" in mesh.get_attribute("class")
-        page.screenshot(path=str(shots / "mesh-big-4-host-gone.png"))
+        page.screenshot(path=str(shots / "mesh-big-5-host-gone.png"))
         mesh.get_by_role("button", name="stop").click()
         mesh.wait_for(state="detached", timeout=30_000)

@@ -259,12 +259,18 @@ def test_the_panel_sees_a_job_that_lost_one_host_of_two_as_running_with_a_host_g
     try:
         job.state().hosts.spawn_procs(per_host={"gpus": 1})
         pids = [a["pid"] for a in job._agents]
+        found = {m["name"]: m for m in server._meshes()}["tel-lost-host"]
+        m = server.describe_mesh("tel-lost-host", found["info"], True)   # (the panel looked before)
+        assert [(p["rank"], p["state"]) for p in m["procs"]] == [(0, "idle"), (1, "idle")], m
         os.kill(pids[1], signal.SIGKILL)
         assert wait_for(lambda: not _running(pids[1]), within=10)
         found = {m["name"]: m for m in server._meshes()}["tel-lost-host"]
         assert found["alive"] and found["hosts_gone"] == 1, found
         m = server.describe_mesh("tel-lost-host", found["info"], found["alive"], found["hosts_gone"])
-        assert m["hosts_gone"] == 1 and len(m["hosts"]) == 1 and [p["rank"] for p in m["procs"]] == [0], m
+        # its rank is still listed, as its host's: it went with it (it was dropped from the panel)
+        assert m["hosts_gone"] == 1 and len(m["hosts"]) == 1 and m["hosts_silent"] == 0, m
+        assert [(p["rank"], p["state"], p["cpu"]) for p in m["procs"]] == [(0, "idle", m["procs"][0]["cpu"]),
+                                                                          (1, "host gone", None)], m
         job.disconnect()   # (the panel's stop is another process's: the job as cached)
 
         class Stop(server.StopHandler):   # its post, without a web server around it
@@ -282,6 +288,35 @@ def test_the_panel_sees_a_job_that_lost_one_host_of_two_as_running_with_a_host_g
     finally:
         job.kill()
         assert not [p for p in pids if _running(p)]
+
+
+def test_the_panel_lists_the_ranks_of_a_host_whose_agent_does_not_answer_as_unreachable():
+    """A host cut off or stopped (on a cluster the panel cannot check a remote agent's pid):
+    its ranks vanished from the panel and nothing said so ("1 proc on 1 host"); now they stay,
+    unreachable, and the mesh names the host that does not answer, until it answers again."""
+    from monarch_kernel.core.transport import pid_alive as _running
+    from monarch_kernel.job import ProcessJob
+    from monarch_kernel.telemetry import server
+
+    job = ProcessJob(meshes={"hosts": 2}, name="tel-silent-host")
+    pids = []
+    try:
+        job.state().hosts.spawn_procs(per_host={"gpus": 1})
+        pids = [a["pid"] for a in job._agents]
+        info = {m["name"]: m for m in server._meshes()}["tel-silent-host"]["info"]
+        before = server.describe_mesh("tel-silent-host", info, True)
+        assert [p["state"] for p in before["procs"]] == ["idle", "idle"] and len(before["hosts"]) == 2, before
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            m = server.describe_mesh("tel-silent-host", info, True)
+            assert m["hosts_silent"] == 1 and m["hosts_gone"] == 0 and sorted(m["hosts"]) == sorted(before["hosts"])
+            assert [(p["rank"], p["state"]) for p in m["procs"]] == [(0, "idle"), (1, "unreachable")], m
+            assert m["procs"][1]["pid"] == before["procs"][1]["pid"] and m["procs"][1]["cpu"] is None
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+    finally:
+        job.kill()
+        assert wait_for(lambda: not [p for p in pids if _running(p)], within=15)
 
 
 def test_fake_gpu_samples_give_the_panel_a_gpu_line_and_none_without(monkeypatch):

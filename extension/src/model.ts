@@ -32,6 +32,7 @@ export interface IMesh {
   detached_s: number;
   gpu: boolean;
   hosts_gone?: number; // agents of this mesh that no longer run (a job that lost hosts)
+  hosts_silent?: number; // agents that did not answer the last look (their ranks read 'unreachable')
 }
 
 export interface IMeshes {
@@ -53,8 +54,33 @@ export async function api(path: string, init: RequestInit = {}): Promise<any> {
   return reply.json();
 }
 
-/** States of a rank that does not answer, as its host's agent names them (core/silent_procs.py SHORT). */
-export const STUCK = new Set(['stopped (signal)', 'held by a tracer', 'waiting on I/O']);
+/** States of a rank that does not answer, as its host's agent names them (core/silent_procs.py SHORT),
+ * and of a rank whose host's agent does not answer (telemetry/server.py). */
+export const STUCK = new Set(['stopped (signal)', 'held by a tracer', 'waiting on I/O', 'unreachable']);
+
+/** A rank whose host's agent no longer runs (telemetry/server.py LOST): red, as dead, but
+ * not counted among the procs nor respawned (its host is gone). */
+export const LOST = 'host gone';
+
+/** Red: a dead rank, or one whose host is gone. */
+export function lost(state: string): boolean {
+  return state === 'dead' || state === LOST;
+}
+
+/** "0-31,40": ranks in order, runs as first-last (core/mesh_tables.py's ranges). */
+export function ranges(ranks: number[]): string {
+  const r = [...ranks].sort((a, b) => a - b);
+  const parts: string[] = [];
+  for (let i = 0; i < r.length; ) {
+    let j = i;
+    while (j + 1 < r.length && r[j + 1] === r[j] + 1) {
+      j++;
+    }
+    parts.push(i === j ? `${r[i]}` : `${r[i]}-${r[j]}`);
+    i = j + 1;
+  }
+  return parts.join(',');
+}
 
 /** Paused in the debugger, or not answering: amber where dead is red. */
 export function held(state: string): boolean {
@@ -67,19 +93,34 @@ export interface ICounts {
   paused: number;
   stuck: number;
   hostsGone: number;
+  goneRanks: number[]; // the ranks a gone host last had (as far as the server saw them)
+  hostsSilent: number;
+  silentRanks: number[];
 }
 
 export function counts(m: IMesh): ICounts {
+  const of = (state: string) => m.procs.filter(p => p.state === state).map(p => p.rank);
+  const goneRanks = of(LOST);
+  const silentRanks = of('unreachable');
   const dead = m.procs.filter(p => p.state === 'dead').length;
   const paused = m.procs.filter(p => p.state.startsWith('paused')).length;
-  const stuck = m.procs.filter(p => STUCK.has(p.state)).length;
-  return { procs: m.procs.length, dead, paused, stuck, hostsGone: m.hosts_gone || 0 };
+  const stuck = m.procs.filter(p => STUCK.has(p.state) && p.state !== 'unreachable').length;
+  return {
+    procs: m.procs.length - goneRanks.length, dead, paused, stuck, hostsGone: m.hosts_gone || 0, goneRanks,
+    hostsSilent: m.hosts_silent || 0, silentRanks
+  };
 }
 
-/** The header's words for what needs a look: `· 1 host gone · 1 dead · 2 paused · 1 not answering`
- * (a gone host's procs are not listed: its agent cannot say what they were). */
+const hosts = (n: number): string => `${n} host${n > 1 ? 's' : ''}`;
+const which = (ranks: number[]): string =>
+  !ranks.length ? '' : ` (rank${ranks.length > 1 ? 's' : ''} ${ranges(ranks)})`;
+
+/** The header's words for what needs a look: `· 1 host gone (ranks 20-39) · 1 host not answering
+ * (ranks 40-59) · 1 dead · 2 paused · 1 not answering`. A host that went before the server
+ * ever heard from it is counted, its ranks not named. */
 export function countsText(c: ICounts): string {
-  return (c.hostsGone ? ` · ${c.hostsGone} host${c.hostsGone > 1 ? 's' : ''} gone` : '') +
+  return (c.hostsGone ? ` · ${hosts(c.hostsGone)} gone${which(c.goneRanks)}` : '') +
+    (c.hostsSilent ? ` · ${hosts(c.hostsSilent)} not answering${which(c.silentRanks)}` : '') +
     (c.dead ? ` · ${c.dead} dead` : '') + (c.paused ? ` · ${c.paused} paused` : '') +
     (c.stuck ? ` · ${c.stuck} not answering` : '');
 }

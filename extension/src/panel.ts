@@ -10,7 +10,7 @@
  */
 import { Widget } from '@lumino/widgets';
 
-import { counts, countsText, held, IMesh, IProc, leaseText, MeshModel, stateLabel } from './model';
+import { counts, countsText, held, IMesh, IProc, leaseText, LOST, lost, MeshModel, ranges, stateLabel } from './model';
 
 export const BIG = 32; // ranks before a mesh shows a row a host
 
@@ -57,7 +57,7 @@ const num = (v: number | null | undefined, unit: string): string =>
 function procRow(p: IProc, gpu: boolean): string {
   const full = stateLabel(p.state);
   const state = p.state.startsWith('paused') ? 'paused' : full; // the full text is the tooltip
-  const cls = p.state === 'dead' ? 'mk-dead' : held(p.state) ? 'mk-paused' : '';
+  const cls = lost(p.state) ? 'mk-dead' : held(p.state) ? 'mk-paused' : '';
   return (
     `<tr class="mk-proc ${cls}" data-rank="${p.rank}" data-pid="${p.pid}" data-state="${esc(p.state)}" ` +
     `data-host="${esc(p.host)}"><td>${p.rank}</td>` +
@@ -67,21 +67,6 @@ function procRow(p: IProc, gpu: boolean): string {
     (gpu ? `<td>${spark(p.gpu_hist || [], 100, '#2e7d32')} ${num(p.gpu_util, '%')}</td>` : '') + // no GPU: no column
     '</tr>'
   );
-}
-
-/** "0-31,40": ranks in order, runs as first-last (core/mesh_tables.py's ranges). */
-export function ranges(ranks: number[]): string {
-  const r = [...ranks].sort((a, b) => a - b);
-  const parts: string[] = [];
-  for (let i = 0; i < r.length; ) {
-    let j = i;
-    while (j + 1 < r.length && r[j + 1] === r[j] + 1) {
-      j++;
-    }
-    parts.push(i === j ? `${r[i]}` : `${r[i]}-${r[j]}`);
-    i = j + 1;
-  }
-  return parts.join(',');
 }
 
 /** The procs of each host, hosts in the order their first rank comes. */
@@ -113,7 +98,7 @@ function hostRow(host: string, procs: IProc[], gpu: boolean): string {
     states.set(s, (states.get(s) || 0) + 1);
   }
   const text = [...states.entries()].sort((a, b) => b[1] - a[1]).map(([s, n]) => `${n} ${s}`).join(' · ');
-  const cls = states.has('dead') ? 'mk-dead' : [...states.keys()].some(held) ? 'mk-paused' : '';
+  const cls = [...states.keys()].some(lost) ? 'mk-dead' : [...states.keys()].some(held) ? 'mk-paused' : '';
   const cpu = procs.filter(p => p.cpu !== null && p.cpu !== undefined);
   const rss = procs.filter(p => p.rss_mb !== null && p.rss_mb !== undefined);
   const mean = cpu.length ? cpu.reduce((a, p) => a + (p.cpu as number), 0) / cpu.length : null;
@@ -154,7 +139,8 @@ function rankTable(procs: IProc[], gpu: boolean): string {
 
 function hostTable(procs: IProc[], gpu: boolean): string {
   const rows = [...byHost(procs).entries()].map(([host, ps]) => hostRow(host, ps, gpu)).join('');
-  const look = procs.filter(p => p.state === 'dead' || held(p.state));
+  // (a host that is gone or does not answer is its row's news: its ranks are not listed again)
+  const look = procs.filter(p => (lost(p.state) || held(p.state)) && p.state !== LOST && p.state !== 'unreachable');
   return (
     `<table class="mk-procs mk-hosts"><tr><th>host</th><th>CPU</th><th>memory</th>${gpu ? '<th>GPU</th>' : ''}</tr>` +
     `${rows}</table>` +

@@ -69,12 +69,17 @@ def agent_alive(info: dict) -> bool:
 
 def agents_gone(info: dict) -> int:
     """How many of the file's local agents no longer run (remote ones are not checked)."""
+    return sum(agent_gone(a) for a in info.get("agents", []))
+
+
+def agent_gone(agent: dict) -> bool:
+    """An agent (a connection file's entry) of this machine whose process has ended; False for
+    another machine's, which cannot be checked from here."""
     import socket
 
     from .transport import pid_alive  # (a zombie is gone: an agent exited, its parent not reaping it yet)
 
-    here = socket.gethostname()
-    return sum(not pid_alive(a["pid"]) for a in info.get("agents", []) if a.get("host") == here and a.get("pid"))
+    return agent.get("host") == socket.gethostname() and bool(agent.get("pid")) and not pid_alive(agent["pid"])
 
 
 def list_meshes() -> list[tuple[str, dict, bool]]:

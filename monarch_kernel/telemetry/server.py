@@ -63,16 +63,34 @@ def _ask(info: dict, op: str, *args, timeout: float = ASK_TIMEOUT_S, per_agent=N
     return out
 
 
+# What each agent last said of its procs (address -> its host and proc rows), so that when it
+# stops answering its ranks are still listed, as lost or unreachable, not dropped from the panel.
+_SEEN: dict[str, tuple[str, list[dict]]] = {}
+LOST = "host gone"   # a rank whose host's agent no longer runs (its procs end with it)
+
+
 def describe_mesh(name: str, info: dict, alive: bool, hosts_gone: int = 0) -> dict:
+    """The panel's view of one mesh. An agent that does not answer within ASK_TIMEOUT_S
+    (a host cut off, stopped, or lost on a cluster, where its pid cannot be checked) is
+    named in ``hosts_silent`` and the ranks it last reported stay listed as ``unreachable``
+    (those dead then stay dead), as `%mesh status` says them; those of an agent known gone
+    (its local pid ended) as ``host gone``. Rows of agents never heard from cannot be listed: the count says them."""
     mesh = {"name": name, "alive": alive, "persistent": info.get("persistent", False), "hosts": [],
             "procs": [], "lease_s": info.get("lease"), "detached_s": 0.0, "controller_pids": [], "gpu": False,
-            "hosts_gone": hosts_gone}
+            "hosts_gone": hosts_gone, "hosts_silent": 0}
     if not alive:
         return mesh
+    from monarch_kernel.core.connection import agent_gone
+
     st = store()
-    answers = _ask(info, "tel_since", per_agent=lambda addr: (st.cursors.get(addr, 0),))
+    gone = [a["addr"] for a in info.get("agents", []) if agent_gone(a)]   # (not asked: no 3 s wait for them)
+    answers = _ask({**info, "agents": [a for a in info.get("agents", []) if a["addr"] not in gone]}, "tel_since",
+                   per_agent=lambda addr: (st.cursors.get(addr, 0),))
+    for addr in gone:
+        _unanswered(mesh, addr, True, info)
     for addr, ans in answers.items():
         if isinstance(ans, Exception):
+            _unanswered(mesh, addr, False, info)
             continue
         st.insert(addr, ans)
         mesh["hosts"].append(ans["host"])
@@ -82,10 +100,11 @@ def describe_mesh(name: str, info: dict, alive: bool, hosts_gone: int = 0) -> di
         ctl = json.dumps(ans.get("controller"))
         mesh["controller_pids"] += [int(m) for m in _CONTROLLER_PID.findall(ctl)]
         latest = _latest(ans["agent"])
+        rows = []
         for p in ans["procs"]:
             s = latest.get((p["mesh"], p["rank"]), {})
             alive_p = p["state"] not in ("dead", "stopping")
-            mesh["procs"].append({
+            rows.append({
                 "rank": p["rank"], "mesh": p["mesh"], "host": ans["host"], "pid": p["pid"], "state": p["state"],
                 "actors": [a for a in p.get("actors", []) if a != "__cells__"], "buffers": p.get("buffers"),
                 "cpu": s.get("cpu") if alive_p else None, "rss_mb": s.get("rss") if alive_p else None,
@@ -93,8 +112,24 @@ def describe_mesh(name: str, info: dict, alive: bool, hosts_gone: int = 0) -> di
                 "gpu_util": s.get("gpu_util") if alive_p else None,
                 "cpu_hist": s.get("cpu_hist", []), "rss_hist": s.get("rss_hist", []),
                 "gpu_hist": s.get("gpu_hist", [])})
+        _SEEN[addr] = (ans["host"], rows)
+        mesh["procs"] += rows
     mesh["procs"].sort(key=lambda p: (p["mesh"], p["rank"]))
     return mesh
+
+
+def _unanswered(mesh: dict, addr: str, gone: bool, info: dict) -> None:
+    """An agent gave no answer (``gone``: it no longer runs, counted in hosts_gone already):
+    its ranks as it last reported them, with no figures."""
+    entry = next((a for a in info.get("agents", []) if a.get("addr") == addr), {})
+    host, rows = _SEEN.get(addr, (entry.get("host") or addr, []))
+    if not gone:
+        mesh["hosts_silent"] += 1
+        mesh["hosts"].append(host)
+    for p in rows:
+        state = LOST if gone else "dead" if p["state"] == "dead" else "unreachable"
+        mesh["procs"].append({**p, "state": state, "cpu": None, "rss_mb": None, "uss_mb": None, "gpu_util": None,
+                              "cpu_hist": [], "rss_hist": [], "gpu_hist": []})
 
 
 def _latest(agent: str) -> dict:
@@ -125,6 +160,9 @@ def _forget_gone_agents(meshes: list[dict]) -> None:
             rt.forget_agent(addr)
             st.cursors.pop(addr, None)
             st.hosts.pop(addr, None)
+    for addr in list(_SEEN):
+        if addr not in live:
+            del _SEEN[addr]
 
 
 def _kernel_pid(server, kernel_id: str | None) -> int | None:

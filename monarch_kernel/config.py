@@ -21,13 +21,31 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 
 PREFIX = "MONARCH_KERNEL_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "a boolean (1/0, true/false, yes/no, on/off)",
-               "str": "a string", "path": "a path", "hex": "a hex string", "choice": "one of"}
+               "str": "a string", "path": "a path", "hex": "a hex string", "choice": "one of",
+               "modules": "module names, comma-separated (e.g. numpy,matplotlib.pyplot)"}
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+
+
+def module_names(names) -> list[str]:
+    """Dotted module names (a comma-separated string, or a list), each checked: a ValueError
+    names one that is not a module's name (a preload imports them: no path, no code)."""
+    items = names.split(",") if isinstance(names, str) else list(names)
+    out = []
+    for n in items:
+        n = n.strip() if isinstance(n, str) else n
+        if n == "" and isinstance(names, str):
+            continue
+        if not isinstance(n, str) or not _MODULE.match(n):
+            raise ValueError(f"{n!r} is not a module name: give dotted Python names, e.g. numpy,matplotlib.pyplot")
+        out.append(n)
+    return out
 
 
 _ENVIRON = getattr(os.environ, "_data", None)   # what os.environ reads: bytes -> bytes (POSIX)
@@ -124,6 +142,12 @@ class Setting:
             return raw
         elif self.kind == "path":
             return os.path.expanduser(raw)
+        elif self.kind == "modules":
+            names = tuple(n.strip() for n in raw.split(",") if n.strip())
+            bad = [n for n in names if not _MODULE.match(n)]
+            if bad:
+                raise self.error(raw, f"names {bad[0]!r}, not a module")
+            return names
         else:
             return raw
         if self.minimum is not None and value < self.minimum:
@@ -141,7 +165,7 @@ class Setting:
                            f"({self.default_text()}), or fix the value ({self.meaning}).")
 
     def default_text(self) -> str:
-        if self.default is None:
+        if self.default is None or self.default == ():
             return "unset"
         if self.kind == "bool":
             return "1" if self.default else "0"
@@ -258,6 +282,9 @@ KEEP_CUDA_VISIBLE = _declare("KEEP_CUDA_VISIBLE", "bool", False, "procs keep the
                              "`CUDA_VISIBLE_DEVICES` instead of one GPU each", "proc")
 NO_TORCH = _declare("NO_TORCH", "bool", False, "the zygote does not import torch before forking procs",
                     "agent")
+PRELOAD = _declare("PRELOAD", "modules", (), "modules (comma-separated) each host's zygote imports "
+                   "before forking procs, so ranks start with them loaded (`HostMesh.preload`, `%mesh "
+                   "connect --preload` add more later)", "agent")
 ZYGOTE_HUGE_PAGES = _declare("ZYGOTE_HUGE_PAGES", "bool", True, "the zygote collapses its memory into 2 MB "
                              "pages (Linux 6.1+), so each fork copies ~5x less page table", "agent")
 

@@ -201,6 +201,29 @@ class HostMesh:
             rows.extend(f.get(10))
         return rows
 
+    def preload(self, *modules: str, timeout: float = 600.0) -> dict[str, float]:
+        """Import ``modules`` once on each host, in the zygote its procs are forked from, so
+        every proc spawned (or respawned) after this starts with them loaded: at 256 ranks a
+        cell's ``import matplotlib.pyplot`` costs ~0.5 s of CPU a rank, here once a host, and
+        their memory is shared. Procs already running import them on first use, as before.
+        Returns {host: seconds}. A module that cannot be imported on some host is a
+        ValueError naming it, the host and why; the others are loaded all the same.
+        (``MONARCH_KERNEL_PRELOAD`` does the same as the agents start.)"""
+        names = config.module_names(modules)
+        if not names:
+            raise ValueError("preload() needs module names, e.g. preload('numpy', 'matplotlib.pyplot')")
+        rt = runtime()
+        futs = [rt.agent_request(a["addr"], self._key, "preload", names) for a in self._agents]
+        took, failed = {}, []
+        for f in futs:
+            ans = f.get(timeout)
+            took[ans["host"]] = ans["seconds"]
+            failed += [f"{name} on host {ans['host']}: {why}" for name, why in ans["failed"].items()]
+        if failed:
+            raise ValueError(f"could not preload {len(failed)} module(s) (the rest are loaded): " + "; ".join(failed)
+                             + ". Install them on the hosts (or `%mesh sync --env`), or fix the name.")
+        return took
+
     # ------------------------------------------------------------------ lifecycle
     def detach(self) -> None:
         """Leave the mesh running (a persistent one waits for its lease) and let go of it."""

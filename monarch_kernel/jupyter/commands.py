@@ -10,6 +10,7 @@ import time
 
 from IPython.core.error import UsageError
 
+from .. import config
 from ..core import silent_procs
 from ..core.connection import agents_gone, list_meshes
 from ..core.mesh import ProcMesh, state_of, view_of
@@ -33,7 +34,7 @@ def _per_host(text: str) -> dict:
 # ----------------------------------------------------------------------- connect
 CONNECT = mesh_parser("connect", "attach to (or start) a local mesh; re-attaches after a kernel restart",
                       usage="%mesh connect [NAME] [--procs N | --per-host gpus=N] [--dist [BACKEND]] "
-                            "[--lease DURATION] [--hosts N | --job VAR | --slurm ARGS [--salloc] "
+                            "[--lease DURATION] [--preload MODULES] [--hosts N | --job VAR | --slurm ARGS [--salloc] "
                             "| --ssh HOSTS [--ssh-args OPTIONS] "
                             "| --k8s NS --image IMAGE [--replicas N]] [--mesh MESH]")
 CONNECT.add_argument("name", nargs="?", help=f"mesh name (default: from the notebook, here "
@@ -46,6 +47,10 @@ CONNECT.add_argument("--dist", nargs="?", const="auto", metavar="BACKEND",
                           "else gloo; or name the backend)")
 CONNECT.add_argument("--lease", metavar="DURATION",
                      help="keep the mesh this long with no notebook attached (90s, 15m, 2h; default 1h)")
+CONNECT.add_argument("--preload", metavar="MODULES",
+                     help="modules each host imports once before forking its procs, so every rank starts with "
+                          "them loaded, e.g. --preload numpy,matplotlib.pyplot (at 256 ranks: once a host, "
+                          "not once a rank)")
 _where = CONNECT.add_mutually_exclusive_group()
 _where.add_argument("--hosts", type=int, metavar="N", help="N hosts on this machine, each a host agent process of "
                                                           "its own (a multi-host mesh to try here: dims hosts=N, "
@@ -76,6 +81,7 @@ def connect(ctx, args):
         raise ValueError(f"--procs must be at least 1, got {args.procs}")
     per_host = _per_host(args.per_host) if args.per_host else None
     lease = parse_duration(args.lease) if args.lease else None
+    preload = config.module_names(args.preload) if args.preload else None
     from .jobs import job_from_args, job_progress
 
     job = job_from_args(ctx.shell.user_ns, args, lease)
@@ -84,7 +90,7 @@ def connect(ctx, args):
     try:
         pm, spawned = ctx.session.connect(args.name, args.procs, per_host, lease, progress=progress.update, job=job,
                                           job_progress=job_progress() if job is not None else None,
-                                          job_mesh=args.job_mesh)
+                                          job_mesh=args.job_mesh, preload=preload)
     except BaseException:
         progress.done()
         raise
@@ -99,6 +105,11 @@ def connect(ctx, args):
     if others:
         where = f" on mesh {ctx.session.job_mesh!r} of {job.kind} job {job.job_id}"
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
+    if preload:
+        took = ctx.session.preloaded
+        print(f"preloaded {', '.join(preload)} on {len(took)} host{'s' if len(took) > 1 else ''} in "
+              f"{max(took.values()):.2f} s" + ("" if spawned else ": the procs already running import them on "
+                                                "first use; those spawned or respawned from now on start with them"))
     if others:
         ns = ctx.shell.user_ns
         var = args.job

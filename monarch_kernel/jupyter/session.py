@@ -82,6 +82,7 @@ class MeshSession:
         self.name: str | None = None
         self._prewarm: threading.Thread | None = None
         self._prewarmed: str | None = None
+        self.preloaded: dict[str, float] = {}   # the last connect's --preload: {host: seconds}
 
     # ------------------------------------------------------------------ prewarm
     def prewarm(self, name: str | None = None) -> None:
@@ -101,13 +102,16 @@ class MeshSession:
 
     # ------------------------------------------------------------------ connect
     def connect(self, name: str | None, procs: int | None, per_host: dict | None, lease: float | None,
-                progress=None, job=None, job_progress=None, job_mesh: str | None = None) -> tuple[ProcMesh, bool]:
+                progress=None, job=None, job_progress=None, job_mesh: str | None = None,
+                preload: list[str] | None = None) -> tuple[ProcMesh, bool]:
         """Attach to (or start) mesh ``name`` and its notebook proc mesh; True if it was
         spawned now, False if re-attached. With ``job`` (a ``monarch_kernel.job`` job), the
         hosts are the job's mesh ``job_mesh`` (default: its first): its allocation is asked
         for, or re-attached to when a kernel before this one asked for it. The job's other
         meshes keep their own procs; connecting with another ``job_mesh`` moves the cells
-        there (each mesh's namespaces stay on its procs)."""
+        there (each mesh's namespaces stay on its procs). ``preload``: modules each host
+        imports before its procs are forked (HostMesh.preload); a re-attached mesh's procs
+        import them on first use, its later spawns and respawns start with them."""
         name = name or (job.name if job is not None else default_mesh_name())
         if self._prewarm is not None:
             self._prewarm.join()
@@ -149,6 +153,8 @@ class MeshSession:
         if self._prewarmed == name:
             self._prewarmed = None   # it is the user's mesh now, kept on shutdown
         self.host, self.name, self.job, self.job_mesh = hm, name, job, job_mesh
+        if preload:
+            self.preloaded = hm.preload(*preload)   # {host: seconds}
         spawned = False
         try:
             pm = hm.proc_mesh(PROC_MESH)

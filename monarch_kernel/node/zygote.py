@@ -1,7 +1,10 @@
 """The warm zygote: imports torch once, then forks procs on the agent's request.
 
 It is single-threaded and creates no zmq context, so fork is safe. Protocol: JSON lines
-on stdin (``{"op": "fork", "cfg": {...}}``) and stdout (``ready``, ``forked``, ``exit``).
+on stdin (``{"op": "fork", "cfg": {...}}``, ``{"op": "import", "req": N, "modules": [...]}``)
+and stdout (``ready``, ``forked``, ``imported``, ``exit``). What it imports (torch, the runtime,
+``MONARCH_KERNEL_PRELOAD``'s modules and those of ``HostMesh.preload``) every proc forked after
+has loaded already: imported once a host, not once a rank, and its memory shared.
 It reaps its children and reports each exit status, which is how the agent learns of a
 proc's death at once. It dies with the agent, and its procs die with it.
 """
@@ -42,8 +45,23 @@ def _preload() -> float:
         import IPython.display  # noqa: F401
     except ImportError:
         pass
+    failed = import_modules(config.PRELOAD.get())["failed"]
+    return time.perf_counter() - t0, failed
 
-    return time.perf_counter() - t0
+
+def import_modules(modules: list[str]) -> dict:
+    """Import ``modules`` here, for every proc forked after: {"seconds", "failed": {module:
+    why}}. A module that fails is named and the rest still load; the zygote goes on."""
+    import importlib
+
+    t0 = time.perf_counter()
+    failed = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit) as e:
+            failed[name] = f"{type(e).__name__}: {e}"
+    return {"seconds": round(time.perf_counter() - t0, 3), "failed": failed}
 
 
 def main() -> None:
@@ -52,7 +70,7 @@ def main() -> None:
     die_with_parent(config.AGENT_PID.get() or None)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to the agent's log, not the protocol pipe
-    preload_s = _preload()
+    preload_s, failed = _preload()
     freeze_objects()
     huge = HugePages() if config.ZYGOTE_HUGE_PAGES.get() else None
     sig_r, sig_w = os.pipe()
@@ -61,7 +79,7 @@ def main() -> None:
     signal.set_wakeup_fd(sig_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     me = os.getpid()
-    out.write(json.dumps({"op": "ready", "preload_s": round(preload_s, 3)}) + "\n")
+    out.write(json.dumps({"op": "ready", "preload_s": round(preload_s, 3), "failed": failed}) + "\n")
     buf = b""
     live: set[int] = set()   # our procs not reaped yet
     while True:
@@ -98,6 +116,10 @@ def main() -> None:
                         _child(cmd["cfg"], me, out, sig_r, sig_w)
                     live.add(pid)
                     out.write(json.dumps({"op": "forked", "key": cmd["cfg"]["proc_key"], "pid": pid}) + "\n")
+                elif cmd["op"] == "import":
+                    done = import_modules(cmd["modules"])
+                    freeze_objects()
+                    out.write(json.dumps({"op": "imported", "req": cmd["req"], **done}) + "\n")
                 elif cmd["op"] == "exit":
                     return
         _reap(out, live)

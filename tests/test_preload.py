@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 
 import cloudpickle
 import pytest
@@ -66,6 +67,24 @@ def test_the_environment_preloads_as_agents_start_and_a_respawned_proc_has_it_to
         assert procs.procs()[1].pid != victim and loaded_in(procs) == [True, True]
     finally:
         job.kill()
+
+
+def test_a_module_synced_to_the_host_can_be_preloaded(tmp_path, monkeypatch):
+    """`%mesh sync` (or `--env`) puts code on the hosts that is not installed there: the
+    procs import it from the synced folders, and so does a preload (it was 'No module')."""
+    host = this_host()
+    try:
+        first = host.spawn_procs(per_host={"gpus": 1}, name="first")   # (the agent's cwd: not the workspace)
+        ws = tmp_path / "ws"
+        ws.mkdir()
+        monkeypatch.chdir(ws)
+        name = f"m_preload_{uuid.uuid4().hex[:8]}"
+        (ws / f"{name}.py").write_text("VALUE = 7\n")
+        first.sync_workspace()
+        host.preload(name)
+        assert loaded_in(host.spawn_procs(per_host={"gpus": 1}, name="second"), name) == [True]
+    finally:
+        host.shutdown()
 
 
 def test_connect_preload_in_a_notebook_loads_the_modules_on_every_rank_and_says_so():

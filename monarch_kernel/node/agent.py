@@ -645,7 +645,8 @@ class HostAgent:
         self.preloads_due[self.counter] = (ident, req, modules)
         for name in modules:
             self.preload_failed.pop(name, None)   # (tried again: installed since, or synced)
-        self._write_zygote({"op": "import", "req": self.counter, "modules": modules})
+        self._write_zygote({"op": "import", "req": self.counter, "modules": modules,
+                            "sys_path": (self.sync_setup or {}).get("sys_path") or []})
 
     def op_zygote_state(self, ident, req):
         """The zygote's pid and the OS's word for it (as ``proc_states``): a spawn that does not

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from monarch_kernel.core.mesh import view_of
 from monarch_kernel.jupyter import on_mesh
 from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
 
 from ..core.mesh_tables import rank_ranges
-from .console import console, paused_lines, table
+from .console import SETTLE_MAX_S, SETTLE_PER_RANK_S, SETTLE_S, console, paused_lines, table
 from .registry import DebugError, registry
 
 ACTIONS = ("list", "attach", "cast", "continue", "dap", "console")
@@ -159,13 +160,36 @@ def on_mesh_tick(run) -> None:
           running=lambda: run.pending.remaining if run.pending is not None else 0)
 
 
+class _Burst:
+    """When the ranks of a burst of pauses have all paused (the console's ``_settle``, for a
+    hook polled ~10 times a second rather than a wait): every rank of the cell still running
+    has paused, or none has for SETTLE_S + SETTLE_PER_RANK_S a rank still on its way, or
+    SETTLE_MAX_S passed since the first pause not named yet."""
+    first: float | None = None
+    seen = -1
+    since = 0.0
+
+    @classmethod
+    def settled(cls, reg, run) -> bool:
+        now = time.monotonic()
+        if reg.pauses != cls.seen:
+            cls.seen, cls.since = reg.pauses, now
+            cls.first = now if cls.first is None else cls.first
+        paused = sum(1 for s in list(reg.sessions.values()) if s.prompts)
+        on_way = max(0, (run.pending.remaining if run.pending is not None else 0) - paused)
+        return (on_way == 0 or now - cls.since >= SETTLE_S + SETTLE_PER_RANK_S * on_way
+                or now - (cls.first or now) >= SETTLE_MAX_S)
+
+
 def _name_new_pauses(reg, run) -> None:
     """With the widget, the cell's output names the ranks that paused (once each, those
-    paused alike on one line) and leaves driving them to the widget."""
+    paused alike on one line, once their burst has settled) and leaves driving them to the
+    widget."""
     _said.intersection_update(reg.sessions)   # a rank paused again is named again
     new = [s for s in reg.paused() if s.key not in _said and s.prompts]
-    if not new:
+    if not new or not _Burst.settled(reg, run):
         return
+    _Burst.first = None
     _said.update(s.key for s in new)
     if run.capture is not None:
         run.capture.go_live()

@@ -29,7 +29,8 @@ from monarch_kernel.node.zygote_memory import HugePages, freeze_objects
 FORKS_WORTH_WAITING = 48
 
 
-def _preload() -> float:
+def _preload() -> tuple[float, dict]:
+    """Import what every proc needs (and MONARCH_KERNEL_PRELOAD's modules): (seconds, what failed)."""
     t0 = time.perf_counter()
     if not config.NO_TORCH.get():
         try:

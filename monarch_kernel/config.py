@@ -284,7 +284,7 @@ NO_TORCH = _declare("NO_TORCH", "bool", False, "the zygote does not import torch
                     "agent")
 PRELOAD = _declare("PRELOAD", "modules", (), "modules (comma-separated) each host's zygote imports "
                    "before forking procs, so ranks start with them loaded (`HostMesh.preload`, `%mesh "
-                   "connect --preload` add more later)", "agent")
+                   "connect --preload` add more later; `%mesh connect` asks for them too)", "any")
 ZYGOTE_HUGE_PAGES = _declare("ZYGOTE_HUGE_PAGES", "bool", True, "the zygote collapses its memory into 2 MB "
                              "pages (Linux 6.1+), so each fork copies ~5x less page table", "agent")
 

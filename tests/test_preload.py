@@ -95,6 +95,10 @@ def test_connect_preload_in_a_notebook_loads_the_modules_on_every_rank_and_says_
         assert "preloaded email.mime.text on 1 host in" in r.stdout, r.stdout
         r = h.ok(f"%%on_mesh\nimport sys\n{MODULE!r} in sys.modules")
         assert r.result.count("True") == 2 and "False" not in r.result, r.result
+        # set in the notebook after its agent was started ahead: `%mesh connect` asks for it
+        h.ok("%env MONARCH_KERNEL_PRELOAD=wave")
+        r = h.ok("%mesh connect")
+        assert "preloaded wave on 1 host in" in r.stdout, r.stdout
         bad = h.run("%mesh connect --preload numpy,no_such_module_xyz")
         said = bad.stderr + bad.error.get("evalue", "")
         assert "no_such_module_xyz on host" in said and "numpy" not in said, (said, bad.outputs)

@@ -81,7 +81,10 @@ def connect(ctx, args):
         raise ValueError(f"--procs must be at least 1, got {args.procs}")
     per_host = _per_host(args.per_host) if args.per_host else None
     lease = parse_duration(args.lease) if args.lease else None
-    preload = config.module_names(args.preload) if args.preload else None
+    # MONARCH_KERNEL_PRELOAD as the kernel reads it now (a `%env` after the kernel started its
+    # agent ahead, or a launcher that does not carry it to the hosts), then --preload's
+    preload = list(dict.fromkeys([*config.PRELOAD.get(), *(config.module_names(args.preload) if args.preload
+                                                            else [])])) or None
     from .jobs import job_from_args, job_progress
 
     job = job_from_args(ctx.shell.user_ns, args, lease)

@@ -192,13 +192,11 @@ class Console:
         reg, end = self.reg, time.monotonic() + SETTLE_MAX_S
         while True:
             seen = reg.pauses
-            paused = sum(1 for s in list(reg.sessions.values()) if s.prompts)
-            on_way = max(0, running() - paused) if running is not None else 0
+            on_way = on_their_way(reg, running()) if running is not None else 0
             left = end - time.monotonic()
             if (running is not None and on_way == 0) or left <= 0:
                 return
-            if not reg.wait(lambda seen=seen: reg.pauses != seen,
-                            min(left, SETTLE_S + SETTLE_PER_RANK_S * on_way)):
+            if not reg.wait(lambda seen=seen: reg.pauses != seen, min(left, settle_gap(on_way))):
                 return
 
     def _announce(self, sessions, announced: set, current: PausedSession, first: bool) -> None:
@@ -274,13 +272,22 @@ def table(sessions: list[PausedSession]) -> str:
     return f"{text}\n({note})" if note else text
 
 
+def on_their_way(reg: DebugRegistry, running: int) -> int:
+    """Of ``running`` ranks of a cell that have not answered, those not paused (yet)."""
+    return max(0, running - sum(1 for s in list(reg.sessions.values()) if s.prompts))
+
+
+def settle_gap(on_way: int) -> float:
+    """How long no new pause means a burst of pauses is over, with ``on_way`` ranks still
+    running (on a small machine the controller waits for a CPU behind them)."""
+    return SETTLE_S + SETTLE_PER_RANK_S * on_way
+
+
 def paused_lines(sessions: list[PausedSession], then: Callable[[list[int]], str] = lambda ranks: "") -> list[str]:
     """'debugger: ranks 0-255 paused at <In [2] on mesh>:3 in <module>() (cell)', a line for
     each place where ``sessions`` paused, ``then(ranks)`` after it."""
     return [f"debugger: {rank_ranges(ranks, RANKS_CHARS)} paused at {place}{then(ranks)}"
             for ranks, place in alike((s.rank, s.place) for s in sessions)]
-
-
 
 
 def _sigint_raises():

@@ -27,7 +27,7 @@ from monarch_kernel.jupyter import on_mesh
 from monarch_kernel.jupyter.magics import mesh_command, mesh_parser
 
 from ..core.mesh_tables import rank_ranges
-from .console import SETTLE_MAX_S, SETTLE_PER_RANK_S, SETTLE_S, console, paused_lines, table
+from .console import SETTLE_MAX_S, console, on_their_way, paused_lines, settle_gap, table
 from .registry import DebugError, registry
 
 ACTIONS = ("list", "attach", "cast", "continue", "dap", "console")
@@ -163,8 +163,8 @@ def on_mesh_tick(run) -> None:
 class _Burst:
     """When the ranks of a burst of pauses have all paused (the console's ``_settle``, for a
     hook polled ~10 times a second rather than a wait): every rank of the cell still running
-    has paused, or none has for SETTLE_S + SETTLE_PER_RANK_S a rank still on its way, or
-    SETTLE_MAX_S passed since the first pause not named yet."""
+    has paused, or none has for ``settle_gap``, or SETTLE_MAX_S passed since the first pause
+    not named yet. Settled, the next pause starts a new burst."""
     first: float | None = None
     seen = -1
     since = 0.0
@@ -175,10 +175,11 @@ class _Burst:
         if reg.pauses != cls.seen:
             cls.seen, cls.since = reg.pauses, now
             cls.first = now if cls.first is None else cls.first
-        paused = sum(1 for s in list(reg.sessions.values()) if s.prompts)
-        on_way = max(0, (run.pending.remaining if run.pending is not None else 0) - paused)
-        return (on_way == 0 or now - cls.since >= SETTLE_S + SETTLE_PER_RANK_S * on_way
-                or now - (cls.first or now) >= SETTLE_MAX_S)
+        on_way = on_their_way(reg, run.pending.remaining if run.pending is not None else 0)
+        if on_way and now - cls.since < settle_gap(on_way) and now - (cls.first or now) < SETTLE_MAX_S:
+            return False
+        cls.first = None
+        return True
 
 
 def _name_new_pauses(reg, run) -> None:
@@ -189,7 +190,6 @@ def _name_new_pauses(reg, run) -> None:
     new = [s for s in reg.paused() if s.key not in _said and s.prompts]
     if not new or not _Burst.settled(reg, run):
         return
-    _Burst.first = None
     _said.update(s.key for s in new)
     if run.capture is not None:
         run.capture.go_live()

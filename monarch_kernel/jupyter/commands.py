@@ -109,9 +109,9 @@ def connect(ctx, args):
         where = f" on mesh {ctx.session.job_mesh!r} of {job.kind} job {job.job_id}"
     print(f"mesh {name!r}: {len(pm)} procs ({dims}){where} {how} in {took:.2f} s")
     if preload:
-        took = ctx.session.preloaded
-        print(f"preloaded {', '.join(preload)} on {len(took)} host{'s' if len(took) > 1 else ''} in "
-              f"{max(took.values()):.2f} s" + ("" if spawned else ": the procs already running import them on "
+        seconds = ctx.session.preloaded   # {host: seconds}
+        print(f"preloaded {', '.join(preload)} on {len(seconds)} host{'s' if len(seconds) > 1 else ''} in "
+              f"{max(seconds.values()):.2f} s" + ("" if spawned else ": the procs already running import them on "
                                                 "first use; those spawned or respawned from now on start with them"))
     if others:
         ns = ctx.shell.user_ns

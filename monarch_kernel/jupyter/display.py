@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 
 from ..core.errors import MonarchError
-from ..core.mesh_tables import GAP, rank_ranges, rank_rows
+from ..core.mesh_tables import GAP, RANKS_CHARS, rank_ranges, rank_rows
 from ..core.shape import Extent
 from ..core.values import ValueMesh, values_html
 
@@ -96,7 +96,7 @@ class MeshCellError(MonarchError):
         rest = []
         for t, (ranks, n, first, m) in by_type.items():
             what = f"{n} other messages, as rank {first}'s: {m}" if n > 1 else m
-            rest.append(f"{rank_ranges(sorted(ranks), 48)}: {t}: {what} ({self._where(first)} "
+            rest.append(f"{rank_ranges(sorted(ranks), RANKS_CHARS)}: {t}: {what} ({self._where(first)} "
                         "holds it, with its traceback)")
         return shown, rest
 

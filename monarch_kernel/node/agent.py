@@ -97,6 +97,11 @@ class Proc:
         self.started = time.time()
 
 
+def _preload_failed(failed: dict) -> None:
+    for name, why in failed.items():
+        log.warning("preload: %s could not be imported in the zygote: %s", name, why)
+
+
 class HostAgent:
     def __init__(self, a, zygote: subprocess.Popen | None = None):
         self.name = a.name or f"agent-{os.getpid()}"
@@ -159,11 +164,7 @@ class HostAgent:
         self.zygote_pending = b""   # commands the zygote's stdin pipe has not taken yet
         self.zygote_buf = b""
         self.queued_forks: list[dict] = []
-        # modules the zygote has loaded for the procs it forks (MONARCH_KERNEL_PRELOAD, then
-        # op_preload's), what failed of them, and the preload requests it has not answered
-        self.preloaded: list[str] = list(config.PRELOAD.get())
-        self.preload_failed: dict[str, str] = {}
-        self.preloads_due: dict[int, tuple] = {}
+        self.preloads_due: dict[int, tuple] = {}   # op_preload's requests the zygote has not answered
         self.sync_receiver = None   # code sync (monarch_kernel/sync/receiver.py), made on first use
         self.ps_procs: dict = {}    # pid -> psutil.Process, kept between status calls (CPU %)
         self.sync_setup = None      # what a new proc needs from code sync (its sys.path, cwd)
@@ -268,7 +269,7 @@ class HostAgent:
             if ev["op"] == "ready":
                 self.zygote_ready = True
                 log.info("zygote ready (preload %.2f s)", ev.get("preload_s", 0))
-                self._preloaded(self.preloaded, ev.get("failed") or {})
+                _preload_failed(ev.get("failed") or {})
                 for cfg in self.queued_forks:
                     self._write_zygote({"op": "fork", "cfg": cfg})
                 self.queued_forks.clear()
@@ -282,16 +283,9 @@ class HostAgent:
             elif ev["op"] == "exit":
                 self._proc_exited(ev["pid"], ev["code"])
             elif ev["op"] == "imported":
-                ident, req, modules = self.preloads_due.pop(ev["req"], (None, 0, []))
-                self._preloaded(modules, ev["failed"])
-                self.reply(ident, req, True, {"host": self.host, "seconds": ev["seconds"], "failed": ev["failed"],
-                                              "modules": self.preloaded})
-
-    def _preloaded(self, modules: list[str], failed: dict) -> None:
-        for name, why in failed.items():
-            log.warning("preload: %s could not be imported in the zygote: %s", name, why)
-        self.preload_failed.update(failed)
-        self.preloaded = [m for m in dict.fromkeys([*self.preloaded, *modules]) if m not in self.preload_failed]
+                ident, req = self.preloads_due.pop(ev["req"], (None, 0))
+                _preload_failed(ev["failed"])
+                self.reply(ident, req, True, {"host": self.host, "seconds": ev["seconds"], "failed": ev["failed"]})
 
     def _write_zygote(self, cmd):
         """Queue a command and write what the pipe takes now. Never blocks: 256 fork commands
@@ -642,9 +636,7 @@ class HostAgent:
         them loaded. Answered when it has, with what failed (named, the rest loaded)."""
         modules = config.module_names(modules)
         self.counter += 1
-        self.preloads_due[self.counter] = (ident, req, modules)
-        for name in modules:
-            self.preload_failed.pop(name, None)   # (tried again: installed since, or synced)
+        self.preloads_due[self.counter] = (ident, req)
         self._write_zygote({"op": "import", "req": self.counter, "modules": modules,
                             "sys_path": (self.sync_setup or {}).get("sys_path") or []})
 

@@ -50,17 +50,6 @@ def _preload() -> tuple[float, dict]:
     return time.perf_counter() - t0, failed
 
 
-def _on_path(paths: list[str]) -> None:
-    """The host's synced folders (``%mesh sync``, ``--env``): a preload finds what was synced,
-    as the procs do (sync/reload.py setup_proc puts them first again in each)."""
-    import importlib
-
-    for p in reversed(paths):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    importlib.invalidate_caches()
-
-
 def import_modules(modules: list[str]) -> dict:
     """Import ``modules`` here, for every proc forked after: {"seconds", "failed": {module:
     why}}. A module that fails is named and the rest still load; the zygote goes on."""
@@ -129,7 +118,10 @@ def main() -> None:
                     live.add(pid)
                     out.write(json.dumps({"op": "forked", "key": cmd["cfg"]["proc_key"], "pid": pid}) + "\n")
                 elif cmd["op"] == "import":
-                    _on_path(cmd.get("sys_path") or [])
+                    from monarch_kernel.sync.reload import setup_proc
+
+                    # the host's synced folders (`%mesh sync`, `--env`), as each proc gets them
+                    setup_proc({"sys_path": cmd.get("sys_path") or []})
                     done = import_modules(cmd["modules"])
                     freeze_objects()
                     out.write(json.dumps({"op": "imported", "req": cmd["req"], **done}) + "\n")
